@@ -1,0 +1,107 @@
+"""CompactAttention for one layer and one batch of chunks: search -> union -> plan -> execute.
+
+Each stage lives in its own module and is tested on its own; this file only
+wires them together and applies the config (forced blocks, density cap,
+the dense fallback for short prefixes).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from sglang_compact.batch import ChunkBatch
+from sglang_compact.config import CompactConfig
+from sglang_compact.plan import PagedPlan, PlanBuffers, build_plan
+from sglang_compact.selectors import Selection, make_selector
+from sglang_compact.selectors.base import top_k_rows, valid_cells
+from sglang_compact.union import UnionStats, forced_blocks, union_stats, union_table
+
+
+@dataclass
+class ChunkPlan:
+    """What the search decided for one layer.
+
+    table: bool [B, H_kv, NKV] blocks each (request, kv head) reads
+    plan:  the paged metadata of `table`
+    stats: densities before/after the unions (device scalars)
+    """
+
+    table: torch.Tensor
+    plan: PagedPlan
+    stats: UnionStats
+
+
+def apply_density_cap(table: torch.Tensor, scores: torch.Tensor, kv_blocks: torch.Tensor, forced: torch.Tensor,
+                      cap: float) -> torch.Tensor:
+    """Limit each row of the table to ceil(cap * n_b) blocks (never dropping forced blocks).
+
+    Blocks are ranked by their best score over the row's query heads and query blocks.
+
+    Args:
+        table: bool [B, H_kv, NKV]; scores: float [B, H_q, NQ, NKV];
+        kv_blocks: int [B]; forced: bool [B, NKV].
+    """
+    B, H_kv, NKV = table.shape
+    agg = scores.reshape(B, H_kv, -1, NKV).amax(dim=2).to(torch.float64)
+    agg = agg.masked_fill(forced[:, None, :], float("inf"))
+    k = torch.ceil(kv_blocks.to(torch.float64) * cap - 1e-9).to(torch.long)
+    k = torch.maximum(k, forced.sum(-1))[:, None, None]
+    return top_k_rows(agg, table, k)
+
+
+class CompactAttention:
+    """Runs the compact path for one model (all its layers share the config and buffers).
+
+    Args:
+        config: the validated `CompactConfig`.
+        executor: object with `run(batch, plan, return_lse=False)`; default the
+            torch executor (CPU). The GPU path passes a `FlashInferExecutor`.
+    """
+
+    def __init__(self, config: CompactConfig, executor=None):
+        self.config = config
+        self.selector = make_selector(config)
+        if executor is None:
+            from sglang_compact.execute import TorchPagedExecutor
+            executor = TorchPagedExecutor()
+        self.executor = executor
+
+    def select(self, batch: ChunkBatch, layer: int = 0, pooled_keys: torch.Tensor | None = None,
+               compact_rows: torch.Tensor | None = None) -> Selection:
+        """The selector's mask, with requests outside the compact path (compact_rows False) made dense."""
+        if not self.selector.uses_summaries:
+            pooled_keys = None
+        sel = self.selector.select(batch, layer, pooled_keys)
+        if compact_rows is not None:
+            valid = valid_cells(batch, self.config.block_size)
+            sel.mask = torch.where(compact_rows[:, None, None, None], sel.mask, valid)
+        return sel
+
+    def plan(self, batch: ChunkBatch, layer: int = 0, pooled_keys: torch.Tensor | None = None,
+             compact_rows: torch.Tensor | None = None, buffers: PlanBuffers | None = None) -> ChunkPlan:
+        """Search, union (with forced blocks and the density cap) and plan. No host sync on CUDA."""
+        cfg = self.config
+        if cfg.block_size != batch.page_size:
+            raise ValueError(f"CompactConfig.block_size={cfg.block_size} differs from the KV page size {batch.page_size}")
+        sel = self.select(batch, layer, pooled_keys, compact_rows)
+        kv_blocks = batch.kv_blocks()
+        table, counts = union_table(sel.mask, batch.num_kv_heads, kv_blocks, cfg.sink_blocks, cfg.recent_blocks)
+        if cfg.density_cap is not None and sel.scores is not None:
+            forced = forced_blocks(kv_blocks, table.shape[-1], cfg.sink_blocks, cfg.recent_blocks)
+            capped = apply_density_cap(table, sel.scores, kv_blocks, forced, cfg.density_cap)
+            if compact_rows is not None:
+                capped = torch.where(compact_rows[:, None, None], capped, table)
+            table = capped
+            counts = table.sum(-1, dtype=torch.int32)
+        stats = union_stats(sel.mask, table, kv_blocks, batch.q_blocks(cfg.block_size))
+        plan = build_plan(table, counts, batch.page_table, batch.prefix_lens, batch.cu_chunk, batch.page_size,
+                          buffers=buffers, index_bound=batch.num_kv_heads * sum(batch.kv_blocks_cpu()))
+        return ChunkPlan(table, plan, stats)
+
+    def forward(self, batch: ChunkBatch, layer: int = 0, pooled_keys: torch.Tensor | None = None,
+                compact_rows: torch.Tensor | None = None):
+        """Returns (o [T, H_q, D], ChunkPlan)."""
+        chunk_plan = self.plan(batch, layer, pooled_keys, compact_rows)
+        return self.executor.run(batch, chunk_plan.plan), chunk_plan

@@ -1,0 +1,176 @@
+"""FlashInfer executor: zero-copy paged prefill over the selected blocks (GPU).
+
+The pool `[num_pages, H_kv, P, D]` is viewed as `[num_pages * H_kv, 1, P, D]`
+(HND, one kv head), so every (request, kv head) row is a one-head "request"
+with G query heads whose pages are `page * H_kv + g`. Queries are reshaped
+`[T, H_q, D] -> [H_kv * T, G, D]` (a chunk-sized copy; no KV is copied).
+
+Per forward pass, `begin_forward` plans:
+  * the paged wrapper (fa2) once, from host-known upper-bound row lengths (the
+    whole prefix), with split-KV off. Its device metadata buffers then become
+    `self.buffers`: each layer's plan kernel overwrites kv_indptr / kv_indices /
+    kv_last_page_len there, on the device. No per-layer `plan()`, no sync.
+  * the ragged wrapper, causal over each chunk's own tokens.
+Per layer, `run` executes both and merges with `merge_state`.
+
+Why split-KV off and no CUDA-graph mode (seen on the H200, 2026-11-29, FlashInfer
+0.6.15.post1): with split-KV the kernel derives KV partitions from the planned
+lengths, and rows shorter at run time gave relative errors ~0.9 (9/3, 6/2,
+12/4 heads, batch 2); with split-KV off in CUDA-graph mode the paged kernel
+failed with "operation not supported on global/shared address space" (9/3
+heads, head_dim 64). Without split-KV each CTA reads its row's real length.
+
+backend="fa3" cannot reuse a plan across different lengths (it bakes them into
+its host-side schedule), so it plans per layer from host copies of the lengths
+(one device->host sync per layer).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from sglang_compact.batch import ChunkBatch, cdiv
+from sglang_compact.plan import PagedPlan, PlanBuffers
+
+DEFAULT_WORKSPACE_BYTES = 256 * 1024 * 1024
+
+
+def rows_from_tokens(x: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """[T, H_q, ...] -> [H_kv * T, G, ...] (rows kv-head-major)."""
+    T, H_q = x.shape[:2]
+    G = H_q // num_kv_heads
+    return x.reshape(T, num_kv_heads, G, *x.shape[2:]).transpose(0, 1).reshape(num_kv_heads * T, G, *x.shape[2:])
+
+
+def tokens_from_rows(x: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """Inverse of `rows_from_tokens`."""
+    R_T, G = x.shape[:2]
+    T = R_T // num_kv_heads
+    return x.reshape(num_kv_heads, T, G, *x.shape[2:]).transpose(0, 1).reshape(T, num_kv_heads * G, *x.shape[2:])
+
+
+def upper_bound_rows(prefix_lens: Sequence[int], chunk_lens: Sequence[int], num_kv_heads: int, page_size: int):
+    """Host metadata of the densest plan (every prefix page), rows r = g * B + b.
+
+    Returns int32 CPU tensors (qo_indptr [R+1], kv_indptr [R+1], kv_last_page_len [R]).
+    """
+    T = sum(chunk_lens)
+    qo, kv, last = [0], [0], []
+    for g in range(num_kv_heads):
+        start = 0
+        for L, C in zip(prefix_lens, chunk_lens):
+            start += C
+            qo.append(g * T + start)
+            n = cdiv(L, page_size)
+            kv.append(kv[-1] + n)
+            last.append(L - (n - 1) * page_size if n else 0)
+    as_t = lambda v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
+    return as_t(qo), as_t(kv), as_t(last)
+
+
+class FlashInferExecutor:
+    """Args:
+        device: CUDA device.
+        max_rows: bound on R = B * H_kv per forward pass.
+        max_indices: bound on selected (row, page) pairs per forward pass.
+        backend: "fa2" (plan once per forward pass) or "fa3" (plan per layer).
+    """
+
+    def __init__(self, device, max_rows: int, max_indices: int, backend: str = "fa2",
+                 workspace_bytes: int = DEFAULT_WORKSPACE_BYTES):
+        import flashinfer  # noqa: F401  (fail early and clearly without it)
+        if backend not in ("fa2", "fa3"):
+            raise ValueError(f"FlashInferExecutor backend must be 'fa2' or 'fa3', got {backend!r}")
+        self.device = torch.device(device)
+        self.backend = backend
+        self.max_rows = max_rows
+        self.max_indices = max_indices
+        self.buffers: PlanBuffers | None = None
+        self.workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=self.device)
+        self._paged = None
+        self._ragged = None
+        self._planned_for: tuple | None = None
+
+    # --- planning, once per forward pass ---------------------------------------------------
+    def _paged_wrapper(self):
+        from flashinfer import BatchPrefillWithPagedKVCacheWrapper
+        if self._paged is None:
+            self._paged = BatchPrefillWithPagedKVCacheWrapper(self.workspace, "HND", backend=self.backend)
+        return self._paged
+
+    def begin_forward(self, prefix_lens: Sequence[int], chunk_lens: Sequence[int], num_q_heads: int,
+                      num_kv_heads: int, head_dim: int, page_size: int, dtype: torch.dtype, sm_scale: float):
+        """Plan both wrappers for a forward pass (host data only; once, not per layer)."""
+        from flashinfer import BatchPrefillWithRaggedKVCacheWrapper
+        B = len(prefix_lens)
+        R = B * num_kv_heads
+        G = num_q_heads // num_kv_heads
+        qo, kv_ub, last_ub = upper_bound_rows(prefix_lens, chunk_lens, num_kv_heads, page_size)
+        if R > self.max_rows or int(kv_ub[-1]) > self.max_indices:
+            raise ValueError(f"forward pass needs {R} rows / {int(kv_ub[-1])} page indices; executor holds "
+                             f"{self.max_rows} / {self.max_indices}")
+        self._meta = dict(G=G, D=head_dim, P=page_size, dtype=dtype, sm_scale=sm_scale, R=R)
+        if self.backend == "fa2":
+            w = self._paged_wrapper()
+            w.plan(qo, kv_ub, torch.zeros(max(int(kv_ub[-1]), 1), dtype=torch.int32), last_ub, G, 1, head_dim,
+                   page_size, causal=False, sm_scale=sm_scale, q_data_type=dtype, kv_data_type=dtype,
+                   disable_split_kv=True)
+            # the wrapper runs from these device tensors: the plan kernel writes into them
+            self.buffers = PlanBuffers.wrap(w._qo_indptr_buf, w._paged_kv_indptr_buf, w._paged_kv_indices_buf,
+                                            w._paged_kv_last_page_len_buf)
+        if self._ragged is None:
+            self._ragged = BatchPrefillWithRaggedKVCacheWrapper(self.workspace, "NHD", backend="fa2")
+        cu = [0]
+        for c in chunk_lens:
+            cu.append(cu[-1] + c)
+        cu_t = torch.tensor(cu, dtype=torch.int32)
+        self._ragged.plan(cu_t, cu_t, num_q_heads, num_kv_heads, head_dim, causal=True,
+                          sm_scale=sm_scale, q_data_type=dtype, kv_data_type=dtype)
+        self._planned_for = (tuple(prefix_lens), tuple(chunk_lens), num_q_heads, num_kv_heads, head_dim,
+                             page_size, dtype)
+
+    def begin_forward_for(self, batch: ChunkBatch) -> None:
+        self.begin_forward(batch.prefix_lens_cpu, batch.chunk_lens_cpu, batch.num_q_heads, batch.num_kv_heads,
+                           batch.head_dim, batch.page_size, batch.q.dtype, batch.sm_scale)
+
+    # --- per layer ---------------------------------------------------------------------------
+    def _load_plan(self, plan: PagedPlan) -> None:
+        """Make the wrapper see `plan` (a no-op when the plan kernel wrote into self.buffers)."""
+        b = self.buffers
+        for dst, src in ((b.qo_indptr, plan.qo_indptr), (b.kv_indptr, plan.kv_indptr),
+                         (b.kv_last_page_len, plan.kv_last_page_len)):
+            if src.data_ptr() != dst.data_ptr():
+                dst[:src.numel()].copy_(src)
+        if plan.kv_indices.data_ptr() != b.kv_indices.data_ptr():
+            # a plan's valid indices never exceed H_kv * sum_b n_b, the buffer's size
+            n = min(plan.kv_indices.numel(), b.kv_indices.numel())
+            b.kv_indices[:n].copy_(plan.kv_indices[:n])
+
+    def prefix_attention(self, batch: ChunkBatch, plan: PagedPlan):
+        """Rows' queries against their planned pages. Returns (o [T, H_q, D], lse [T, H_q])."""
+        m = self._meta
+        H_kv = batch.num_kv_heads
+        P, D = batch.page_size, batch.head_dim
+        q_rows = rows_from_tokens(batch.q, H_kv)
+        kv = (batch.k_pool.view(-1, 1, P, D), batch.v_pool.view(-1, 1, P, D))
+        w = self._paged_wrapper()
+        if self.backend == "fa2":
+            self._load_plan(plan)
+        else:
+            n = int(plan.kv_indptr[-1])  # fa3 needs real lengths on the host: one sync per layer
+            w.plan(plan.qo_indptr, plan.kv_indptr, plan.kv_indices[:n], plan.kv_last_page_len,
+                   m["G"], 1, D, P, causal=False, sm_scale=m["sm_scale"], q_data_type=m["dtype"],
+                   kv_data_type=m["dtype"])
+        o_rows, lse_rows = w.run(q_rows, kv, return_lse=True)
+        return tokens_from_rows(o_rows, H_kv), tokens_from_rows(lse_rows, H_kv)
+
+    def run(self, batch: ChunkBatch, plan: PagedPlan, return_lse: bool = False):
+        from flashinfer import merge_state
+        if self._planned_for is None:
+            raise RuntimeError("FlashInferExecutor.run before begin_forward")
+        o_p, lse_p = self.prefix_attention(batch, plan)
+        o_c, lse_c = self._ragged.run(batch.q, batch.k_chunk, batch.v_chunk, return_lse=True)
+        o, lse = merge_state(o_p.contiguous(), lse_p.contiguous(), o_c, lse_c)
+        return (o, lse) if return_lse else o

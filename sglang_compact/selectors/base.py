@@ -1,0 +1,168 @@
+"""Selector interface, registry and the shared scoring helpers.
+
+A selector looks at one chunk per request (its queries) and the prefix (its
+keys, or page summaries) and returns a block mask
+
+    mask  bool [B, H_q, NQ, NKV]   query block i of request b may read prefix block j
+
+with False everywhere outside a request's valid (query block, prefix block)
+cells. Query blocks have the KV block size. Scoring selectors also return
+`scores` float [B, H_q, NQ, NKV] (higher = more important) which the density
+cap ranks by.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from sglang_compact.batch import ChunkBatch
+from sglang_compact.config import CompactConfig
+
+NEG_INF = float("-inf")
+
+
+@dataclass
+class Selection:
+    mask: torch.Tensor
+    scores: torch.Tensor | None = None
+
+
+class Selector:
+    """Base class. Subclasses set `name` and implement `select`."""
+
+    name: str = ""
+    #: reads pooled keys (page summaries) rather than the prefix's keys
+    uses_summaries: bool = False
+
+    def __init__(self, config: CompactConfig):
+        self.config = config
+
+    def select(self, batch: ChunkBatch, layer: int = 0, pooled_keys: torch.Tensor | None = None) -> Selection:
+        """Args:
+            batch: the chunks and their prefixes.
+            layer: layer index (for per-layer weights).
+            pooled_keys: float [B, NKV, H_kv, D] mean key per prefix block, from page
+                summaries; computed from the pool when None.
+        """
+        raise NotImplementedError
+
+
+_REGISTRY: dict[str, type[Selector]] = {}
+
+
+def register_selector(name: str) -> Callable[[type[Selector]], type[Selector]]:
+    def deco(cls: type[Selector]) -> type[Selector]:
+        cls.name = name
+        _REGISTRY[name] = cls
+        return cls
+    return deco
+
+
+def make_selector(config: CompactConfig) -> Selector:
+    try:
+        cls = _REGISTRY[config.selector]
+    except KeyError:
+        raise ValueError(f"unknown selector {config.selector!r}; registered: {sorted(_REGISTRY)}") from None
+    return cls(config)
+
+
+def registered_selectors() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+# --- shared helpers -------------------------------------------------------------------
+
+def valid_cells(batch: ChunkBatch, q_block: int) -> torch.Tensor:
+    """bool [B, 1, NQ, NKV]: (query block, prefix block) cells that exist."""
+    return (batch.q_block_valid(q_block)[:, :, None] & batch.kv_block_valid()[:, None, :])[:, None]
+
+
+def pooled_keys_from_pool(batch: ChunkBatch) -> torch.Tensor:
+    """float32 [B, NKV, H_kv, D]: mean of each prefix block's valid keys (O(prefix tokens))."""
+    k, valid = batch.prefix_keys()  # [B, H_kv, NKV*P, D], [B, NKV*P]
+    B, H, LP, D = k.shape
+    P = batch.page_size
+    NKV = LP // P
+    s = k.to(torch.float32).reshape(B, H, NKV, P, D).sum(dim=3)
+    n = valid.reshape(B, NKV, P).sum(dim=2).clamp(min=1).to(torch.float32)  # [B, NKV]
+    return (s / n[:, None, :, None]).permute(0, 2, 1, 3)
+
+
+def expand_kv_heads(x: torch.Tensor, group: int, dim: int = 1) -> torch.Tensor:
+    """Repeat each kv head `group` times along `dim` (kv head g -> q heads g*G .. g*G+G-1)."""
+    return x.repeat_interleave(group, dim=dim)
+
+
+def pooled_block_scores(batch: ChunkBatch, pooled_keys: torch.Tensor, q_block: int,
+                        head_chunk: int = 8) -> torch.Tensor:
+    """FlashPrefill-style block scores against pooled keys.
+
+    s[t, j] = q_t . kbar_j * scale, softmax over the valid prefix blocks j,
+    then the max over the queries t of each query block:
+
+    Returns:
+        float32 [B, H_q, NQ, NKV]; 0 outside valid cells.
+    """
+    q_pad, q_valid = batch.padded_queries(q_block)  # [B, H_q, NQ*Bq, D], [B, NQ*Bq]
+    B, H_q, LQ, D = q_pad.shape
+    NQ = LQ // q_block
+    kv_valid = batch.kv_block_valid()  # [B, NKV]
+    NKV = kv_valid.shape[1]
+    kbar = pooled_keys.to(torch.float32).permute(0, 2, 1, 3)  # [B, H_kv, NKV, D]
+    G = batch.group_size
+    out = torch.zeros(B, H_q, NQ, NKV, dtype=torch.float32, device=q_pad.device)
+    if NKV == 0 or NQ == 0:
+        return out
+    neg = torch.zeros(B, 1, 1, NKV, device=q_pad.device).masked_fill(~kv_valid[:, None, None, :], NEG_INF)
+    for h0 in range(0, H_q, head_chunk):
+        h1 = min(H_q, h0 + head_chunk)
+        q = q_pad[:, h0:h1].to(torch.float32)
+        k = kbar[:, torch.arange(h0, h1, device=q.device) // G]
+        s = torch.matmul(q, k.transpose(-1, -2)) * batch.sm_scale + neg
+        p = torch.softmax(s, dim=-1).nan_to_num_(0.0)
+        p = p * q_valid[:, None, :, None]
+        out[:, h0:h1] = p.reshape(B, h1 - h0, NQ, q_block, NKV).amax(dim=3)
+    return out
+
+
+def threshold_rows(scores: torch.Tensor, valid: torch.Tensor, alpha: float) -> torch.Tensor:
+    """Keep cells scoring >= alpha * (row max). Rows are the last dim."""
+    s = scores.masked_fill(~valid, NEG_INF)
+    rowmax = s.amax(dim=-1, keepdim=True)
+    return (s >= alpha * rowmax) & valid
+
+
+def top_p_rows(mass: torch.Tensor, valid: torch.Tensor, p: float) -> torch.Tensor:
+    """Smallest set of cells per row (last dim) whose mass reaches p of the row's mass.
+
+    The cell that crosses p is kept; a row keeps at least one valid cell.
+    """
+    m = mass.masked_fill(~valid, 0.0).to(torch.float64)
+    total = m.sum(dim=-1, keepdim=True)
+    order = torch.argsort(m, dim=-1, descending=True, stable=True)
+    ms = m.gather(-1, order)
+    before = torch.cumsum(ms, dim=-1) - ms  # mass strictly before this cell
+    keep_sorted = before < p * total
+    keep_sorted[..., 0] = True
+    keep = torch.zeros_like(keep_sorted).scatter_(-1, order, keep_sorted)
+    return keep & valid
+
+
+def top_k_rows(scores: torch.Tensor, valid: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """Keep the k best-scoring valid cells of each row (last dim); k broadcasts against
+    scores[..., :1] (ties broken towards lower index)."""
+    s = scores.to(torch.float64).masked_fill(~valid, NEG_INF)
+    order = torch.argsort(s, dim=-1, descending=True, stable=True)
+    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(s.shape[-1], device=s.device).expand_as(order))
+    return (rank < k) & valid
+
+
+def top_fraction_rows(scores: torch.Tensor, valid: torch.Tensor, fraction: float) -> torch.Tensor:
+    """Keep the ceil(fraction * n_valid) best-scoring valid cells of each row (at least one)."""
+    n_valid = valid.sum(dim=-1, keepdim=True)
+    # the epsilon keeps 0.3 * 10 at 3 blocks, not 4
+    k = torch.ceil(n_valid.to(torch.float64) * fraction - 1e-9).clamp(min=1).to(torch.long)
+    return top_k_rows(scores, valid, k)
