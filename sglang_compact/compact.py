@@ -100,6 +100,16 @@ class CompactAttention:
                           buffers=buffers, index_bound=batch.num_kv_heads * sum(batch.kv_blocks_cpu()))
         return ChunkPlan(table, plan, stats)
 
+    def plan_dense(self, batch: ChunkBatch, buffers: PlanBuffers | None = None) -> ChunkPlan:
+        """Every prefix block of every row (the dense path through the same executor); no search."""
+        valid = batch.kv_block_valid()  # [B, NKV]
+        table = valid[:, None, :].expand(batch.batch_size, batch.num_kv_heads, valid.shape[1]).contiguous()
+        counts = batch.kv_blocks()[:, None].expand(batch.batch_size, batch.num_kv_heads).contiguous()
+        plan = build_plan(table, counts, batch.page_table, batch.prefix_lens, batch.cu_chunk, batch.page_size,
+                          buffers=buffers, index_bound=batch.num_kv_heads * sum(batch.kv_blocks_cpu()))
+        one = torch.ones((), dtype=torch.float64, device=table.device)
+        return ChunkPlan(table, plan, UnionStats(one, one, one))
+
     def forward(self, batch: ChunkBatch, layer: int = 0, pooled_keys: torch.Tensor | None = None,
                 compact_rows: torch.Tensor | None = None):
         """Returns (o [T, H_q, D], ChunkPlan)."""

@@ -112,7 +112,7 @@ class FlashInferExecutor:
             raise ValueError(f"forward pass needs {R} rows / {int(kv_ub[-1])} page indices; executor holds "
                              f"{self.max_rows} / {self.max_indices}")
         self._meta = dict(G=G, D=head_dim, P=page_size, dtype=dtype, sm_scale=sm_scale, R=R)
-        if self.backend == "fa2":
+        if self.backend == "fa2" and int(kv_ub[-1]) > 0:
             w = self._paged_wrapper()
             w.plan(qo, kv_ub, torch.zeros(max(int(kv_ub[-1]), 1), dtype=torch.int32), last_ub, G, 1, head_dim,
                    page_size, causal=False, sm_scale=sm_scale, q_data_type=dtype, kv_data_type=dtype,
@@ -165,6 +165,12 @@ class FlashInferExecutor:
                    kv_data_type=m["dtype"])
         o_rows, lse_rows = w.run(q_rows, kv, return_lse=True)
         return tokens_from_rows(o_rows, H_kv), tokens_from_rows(lse_rows, H_kv)
+
+    def chunk_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal attention of each chunk to itself only (batches without any prefix)."""
+        if self._planned_for is None:
+            raise RuntimeError("FlashInferExecutor.chunk_attention before begin_forward")
+        return self._ragged.run(q, k, v)
 
     def run(self, batch: ChunkBatch, plan: PagedPlan, return_lse: bool = False):
         from flashinfer import merge_state

@@ -1,0 +1,50 @@
+"""Write a Llama config folder (config.json only) for serving with `--load-format dummy`.
+
+    python scripts/make_llama_config.py --preset llama-3.1-8b --out models/llama-3.1-8b-dummy
+
+Use with SGLang's `--load-format dummy --skip-tokenizer-init` and `input_ids` requests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+PRESETS = {
+    # Llama-3.1-8B-Instruct's architecture (public config values)
+    "llama-3.1-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                         num_key_value_heads=8, head_dim=128, vocab_size=128256, max_position_embeddings=131072,
+                         rope_theta=500000.0, rms_norm_eps=1e-5,
+                         rope_scaling={"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                       "original_max_position_embeddings": 8192, "rope_type": "llama3"}),
+    # two layers of it: fast to start, same attention shapes
+    "llama-3.1-8b-2layer": None,
+}
+
+
+def config(preset: str, layers: int | None = None) -> dict:
+    base = dict(PRESETS["llama-3.1-8b"])
+    if preset == "llama-3.1-8b-2layer":
+        base["num_hidden_layers"] = 2
+    if layers is not None:
+        base["num_hidden_layers"] = layers
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
+            "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+            "bos_token_id": 128000, "eos_token_id": 128009, **base}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", choices=sorted(PRESETS), default="llama-3.1-8b")
+    ap.add_argument("--layers", type=int, default=None, help="override the layer count")
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args()
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(config(a.preset, a.layers), indent=2))
+    print(out / "config.json")
+
+
+if __name__ == "__main__":
+    main()
