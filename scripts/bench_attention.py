@@ -1005,6 +1005,8 @@ def main(argv=None) -> int:
     budgets = [float(x) for x in args.budgets.split(",") if x.strip()]
     methods = select_methods(args.methods, budgets, HAVE_FI and device.type == "cuda")
     if device.type == "cuda":
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(device)
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
     gp = GenParams(**{k: getattr(args, "gen_" + k) for k in GenParams().__dict__})

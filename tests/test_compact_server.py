@@ -15,6 +15,7 @@ on SmolLM2-135M-Instruct's real weights in float32:
 
 from __future__ import annotations
 
+import os
 import random
 import subprocess
 import sys
@@ -111,7 +112,7 @@ def test_flashprefill_long_prompt_and_radix_cache(model_dir):
 def test_bad_flags_exit_with_one_line_reason(model_dir, flags, reason):
     cmd = [sys.executable, "-m", "sglang_compact.launch_server", "--model-path", str(model_dir), "--device", "cpu",
            "--page-size", str(PAGE)] + COMPACT + flags
-    env = dict(**__import__("os").environ, **SERVER_ENV)
+    env = {**os.environ, **SERVER_ENV}
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=REPO_ROOT)
     assert r.returncode == 2, r.stderr[-3000:]
     last = r.stderr.strip().splitlines()[-1]

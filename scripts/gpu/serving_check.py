@@ -69,7 +69,11 @@ class Server:
         req = urllib.request.Request(self.url + path, data=json.dumps(payload).encode(),
                                      headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=timeout) as r:
-            return json.loads(r.read())
+            body = r.read()
+        try:
+            return json.loads(body)
+        except json.JSONDecodeError:  # e.g. /flush_cache answers plain text
+            return body.decode(errors="replace")
 
     def get(self, path):
         with urllib.request.urlopen(self.url + path, timeout=60) as r:
@@ -179,7 +183,11 @@ def main() -> None:
                         "wall_s": round(r["_wall_s"], 2), "server_start_s": round(srv.start_s, 1),
                         "cuda_graph_decode": "Capture cuda graph" in tail(out / f"compact_long_{chunk}.log", 10**7)
                         or "cuda graph" in tail(out / f"compact_long_{chunk}.log", 10**7).lower()}
+                report["steps"][f"long_{chunk}"] = step
+                save()
                 if chunk == 1024 and "concurrent" not in skip:
+                    srv.post("/flush_cache", {})
+                    time.sleep(2)
                     used0, _ = srv.used_tokens()
                     doc = [rng.randrange(1000, 120000) for _ in range(8192)]
                     reqs = [doc[: 4096 + 64 * (i % 8)] + [rng.randrange(1000, 120000) for _ in range(200 + i)]
@@ -191,7 +199,8 @@ def main() -> None:
                     used1, loads = srv.used_tokens()
                     step["concurrent"] = {"n": len(outs), "ok": all(len(o["output_ids"]) == a.new_tokens for o in outs),
                                           "cached_tokens": [o["meta_info"].get("cached_tokens") for o in outs],
-                                          "used_tokens_before": used0, "used_tokens_after_flush": used1}
+                                          "used_tokens_before": used0, "used_tokens_after_flush": used1,
+                                          "loads_after": loads}
                 report["steps"][f"long_{chunk}"] = step
                 save()
             finally:
