@@ -86,14 +86,18 @@ def test_flashprefill_from_page_summaries_equals_from_pool():
 
 
 @pytest.mark.parametrize("density", [0.1, 0.3, 0.5, 1.0])
-def test_budget_keeps_the_requested_fraction(density):
+def test_budget_gives_the_requested_density_after_the_unions(density):
+    from sglang_compact.union import union_table
     b = batch(5)
-    m = make_selector(cfg("budget", density=density)).select(b).mask
+    c = cfg("budget", density=density)
+    m = make_selector(c).select(b).mask
+    table, counts = union_table(m, b.num_kv_heads, b.kv_blocks(), c.sink_blocks, c.recent_blocks)
     for r, L in enumerate(b.prefix_lens_cpu):
         n = math.ceil(L / P)
         want = max(1, math.ceil(density * n - 1e-9))
         nq = math.ceil(b.chunk_lens_cpu[r] / P)
-        assert (m[r, :, :nq].sum(-1) == want).all()
+        assert (m[r, :, :nq].sum(-1) == want).all()  # every query block and head: the same budget
+        assert (counts[r] == want).all()             # so the union adds nothing (forced blocks rank first)
 
 
 @pytest.mark.parametrize("top_p", [0.5, 0.9, 0.99])

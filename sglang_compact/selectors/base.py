@@ -20,6 +20,8 @@ import torch
 
 from sglang_compact.batch import ChunkBatch
 from sglang_compact.config import CompactConfig
+from sglang_compact.kernels import flashprefill as flashprefill_kernel
+from sglang_compact.kernels import flashprefill_naive
 
 NEG_INF = float("-inf")
 
@@ -97,35 +99,24 @@ def expand_kv_heads(x: torch.Tensor, group: int, dim: int = 1) -> torch.Tensor:
 
 
 def pooled_block_scores(batch: ChunkBatch, pooled_keys: torch.Tensor, q_block: int,
-                        head_chunk: int = 8) -> torch.Tensor:
-    """FlashPrefill-style block scores against pooled keys.
+                        use_triton: bool | None = None) -> torch.Tensor:
+    """FlashPrefill-style block scores against pooled keys (see `kernels/flashprefill_naive.py`).
 
     s[t, j] = q_t . kbar_j * scale, softmax over the valid prefix blocks j,
-    then the max over the queries t of each query block:
+    then the max over the queries t of each query block.
 
     Returns:
         float32 [B, H_q, NQ, NKV]; 0 outside valid cells.
+    Runs the Triton kernel on CUDA (or when `use_triton`), else the torch reference.
     """
-    q_pad, q_valid = batch.padded_queries(q_block)  # [B, H_q, NQ*Bq, D], [B, NQ*Bq]
-    B, H_q, LQ, D = q_pad.shape
-    NQ = LQ // q_block
-    kv_valid = batch.kv_block_valid()  # [B, NKV]
-    NKV = kv_valid.shape[1]
-    kbar = pooled_keys.to(torch.float32).permute(0, 2, 1, 3)  # [B, H_kv, NKV, D]
-    G = batch.group_size
-    out = torch.zeros(B, H_q, NQ, NKV, dtype=torch.float32, device=q_pad.device)
-    if NKV == 0 or NQ == 0:
-        return out
-    neg = torch.zeros(B, 1, 1, NKV, device=q_pad.device).masked_fill(~kv_valid[:, None, None, :], NEG_INF)
-    for h0 in range(0, H_q, head_chunk):
-        h1 = min(H_q, h0 + head_chunk)
-        q = q_pad[:, h0:h1].to(torch.float32)
-        k = kbar[:, torch.arange(h0, h1, device=q.device) // G]
-        s = torch.matmul(q, k.transpose(-1, -2)) * batch.sm_scale + neg
-        p = torch.softmax(s, dim=-1).nan_to_num_(0.0)
-        p = p * q_valid[:, None, :, None]
-        out[:, h0:h1] = p.reshape(B, h1 - h0, NQ, q_block, NKV).amax(dim=3)
-    return out
+    if use_triton is None:
+        use_triton = batch.q.is_cuda
+    D = batch.head_dim
+    if D < 16 or D & (D - 1):
+        use_triton = False  # the kernel tiles head_dim as one power-of-two block
+    impl = flashprefill_kernel.block_scores if use_triton else flashprefill_naive.block_scores
+    return impl(batch.q, batch.cu_chunk, batch.chunk_lens_cpu, pooled_keys, batch.kv_blocks(), batch.sm_scale,
+                q_block, batch.max_q_blocks(q_block))
 
 
 def threshold_rows(scores: torch.Tensor, valid: torch.Tensor, alpha: float) -> torch.Tensor:
