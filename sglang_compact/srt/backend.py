@@ -25,7 +25,7 @@ from sglang_compact.config import CompactConfig
 from sglang_compact.execute import TorchPagedExecutor, causal_chunk_attention
 from sglang_compact.plan import build_plan
 from sglang_compact.summaries import PageSummaries
-from sglang_compact.srt.telemetry import CompactTelemetry
+from sglang_compact.srt.telemetry import CompactTelemetry, metrics_for_runner
 
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 from sglang.srt.layers.radix_attention import AttentionType
@@ -141,7 +141,9 @@ class CompactAttnBackend(AttentionBackend):
         if self.compact.selector.uses_summaries:
             self.summaries = PageSummaries(self.num_layers, pool.num_pages, self.num_kv_heads, self.head_dim,
                                            self.page_size, self.device)
-        self.telemetry = CompactTelemetry(self.num_layers)
+        self.telemetry = CompactTelemetry(self.num_layers, metrics_for_runner(model_runner, self.num_layers),
+                                          coverage_needed=self.config.density_cap is not None)
+        self.compact.select = self.telemetry.wrap_select(self.compact.select)  # identity unless coverage is measured
         self.forward_metadata = None
         if self.is_cuda:
             self._init_cuda(model_runner)
@@ -198,6 +200,7 @@ class CompactAttnBackend(AttentionBackend):
         if forward_batch.batch_size == 0:
             self.forward_metadata = None  # idle: the base class returns empty outputs
         elif mode.is_decode_or_idle():
+            self.telemetry.flush()  # publish the last extend's summary (no-op when none is pending)
             self.forward_metadata = self._decode_metadata(forward_batch)
         elif mode.is_extend() or mode.is_mixed():
             self.forward_metadata = self._extend_metadata(forward_batch)
@@ -272,6 +275,7 @@ class CompactAttnBackend(AttentionBackend):
         if not mode.is_decode_or_idle():
             raise NotImplementedError(f"attention backend 'compact' captures CUDA graphs for decode only, "
                                       f"not {mode.name}; pass --disable-prefill-cuda-graph")
+        self.telemetry.flush()  # outside the graph; no-op when no extend summary is pending
         bs = forward_batch.batch_size
         w = self.graph_wrappers.get(bs)
         if w is None:
@@ -319,7 +323,7 @@ class CompactAttnBackend(AttentionBackend):
             if self.summaries is not None:
                 pooled = self.summaries.pooled(layer_idx, batch.page_table[:, :batch.max_kv_blocks])
             cp = self.compact.plan(batch, layer_idx, pooled, md.compact_rows, buffers=buffers)
-            self.telemetry.record(layer_idx, cp.stats)
+            self.telemetry.record(layer_idx, cp.stats, cp.table)
         else:
             cp = self.compact.plan_dense(batch, buffers=buffers)
         o = self.compact.executor.run(batch, cp.plan)
