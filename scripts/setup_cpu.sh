@@ -59,7 +59,7 @@ if [[ "${tv%%+*}" == "$TORCH_VERSION" ]]; then
     log "torch $tv already installed"
 else
     extra=()
-    [[ -n "${TORCH_INDEX_URL:-}" ]] && extra=(--index-url "$TORCH_INDEX_URL" --extra-index-url https://pypi.org/simple)
+    [[ -n "${TORCH_INDEX_URL:-}" ]] && extra=(--index-url "$TORCH_INDEX_URL")
     pip_ "${extra[@]}" "torch==$TORCH_VERSION"
 fi
 if [[ "$(dist_version triton)" == "$TRITON_VERSION" ]]; then
