@@ -72,6 +72,9 @@ def prepare(argv: Sequence[str]):
         raise LaunchError(f"--prefill-attention-backend {prefill} / --decode-attention-backend {decode}: 'compact' "
                           "must serve both (it switches the KV pool to the head-major layout, which the other "
                           "backends cannot read); use --attention-backend compact")
+    if server_args.speculative_algorithm is not None:
+        raise LaunchError(f"--speculative-algorithm {server_args.speculative_algorithm}: the compact backend does "
+                          "not support speculative decoding")
     try:
         config = build_config(ours, server_args.page_size)
     except ValueError as e:

@@ -202,7 +202,7 @@ class CompactAttnBackend(AttentionBackend):
         elif mode.is_decode_or_idle():
             self.telemetry.flush()  # publish the last extend's summary (no-op when none is pending)
             self.forward_metadata = self._decode_metadata(forward_batch)
-        elif mode.is_extend() or mode.is_mixed():
+        elif mode.name in ("EXTEND", "MIXED"):
             self.forward_metadata = self._extend_metadata(forward_batch)
         else:
             raise NotImplementedError(f"attention backend 'compact' does not support forward mode {mode.name} "
