@@ -1,0 +1,313 @@
+"""Start a real SGLang 0.5.17 server on the CPU for the evaluation.
+
+Copied from ``tests/serving.py`` (the package must not import from tests/);
+keep the two in step.
+
+    with SGLangServer(model_path, page_size=16, chunked_prefill_size=256) as srv:
+        out = srv.generate(input_ids=[...], max_new_tokens=16)
+        out.output_ids, out.meta_info["cached_tokens"]
+
+What it does:
+* runs ``python -m sglang.launch_server`` (``module=`` to change it) in its
+  own process group on a free loopback port, with the CPU flags below;
+* environment: ``SGLANG_USE_CPU_ENGINE=1`` (SGLang's CPU platform),
+  ``TRITON_INTERPRET=1`` (the paged allocator's Triton kernels
+  ``alloc_extend_kernel`` / ``alloc_decode_kernel`` run on CPU tensors when
+  ``--page-size`` > 1), ``SGLANG_COMPACT_CPU_SHIM=1`` (the ``.pth`` start-up
+  hook of ``sglang_compact.srt.cpu_shim`` stands in for ``sgl_kernel`` and
+  ``torchvision`` in every server process);
+* streams the server's stdout+stderr into a log file, waits for ``/health``
+  (raising with the log's tail if the server dies or the timeout passes);
+* ``generate()`` posts to ``/generate`` (greedy by default) and returns the
+  output ids, text and ``meta_info`` (``cached_tokens``, ``prompt_tokens``...);
+* always kills the whole process group on exit (SIGTERM, then SIGKILL).
+
+CPU flags (``BASE_ARGS``): ``--device cpu --attention-backend torch_native``
+(CPU x86 defaults to ``intel_amx``, which needs the real sgl_kernel),
+``--disable-cuda-graph --skip-server-warmup``, ``--sampling-backend pytorch``,
+and a small ``--max-total-tokens`` / ``--max-running-requests`` to keep the KV
+pool and req_to_token small.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_LOG_DIR = REPO_ROOT / ".out" / "server-logs"
+
+BASE_ARGS = [
+    "--device", "cpu",
+    "--attention-backend", "torch_native",
+    "--sampling-backend", "pytorch",
+    "--disable-cuda-graph",
+    "--skip-server-warmup",
+]
+
+SERVER_ENV = {
+    "SGLANG_USE_CPU_ENGINE": "1",
+    "TRITON_INTERPRET": "1",
+    "SGLANG_COMPACT_CPU_SHIM": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+}
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def cpu_shim_hook_installed() -> bool:
+    """True when the ``.pth`` start-up hook of the CPU shim is in site-packages."""
+    import site
+    import sysconfig
+
+    dirs = {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}
+    dirs.update(getattr(site, "getsitepackages", lambda: [])())
+    return any(os.path.exists(os.path.join(d, "sglang_compact_cpu_shim.pth")) for d in dirs)
+
+
+@dataclass
+class GenerateResult:
+    output_ids: List[int]
+    text: str
+    meta_info: Dict[str, Any] = field(default_factory=dict)
+    raw: Dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def cached_tokens(self) -> int:
+        return int(self.meta_info.get("cached_tokens", 0))
+
+
+class ServerError(RuntimeError):
+    pass
+
+
+class SGLangServer:
+    """A real SGLang server subprocess on the CPU (context manager)."""
+
+    def __init__(
+        self,
+        model_path: str | os.PathLike,
+        *,
+        extra_args: Sequence[str] = (),
+        page_size: Optional[int] = None,
+        chunked_prefill_size: Optional[int] = None,
+        dtype: str = "float32",
+        max_total_tokens: int = 8192,
+        max_running_requests: int = 8,
+        module: str = "sglang.launch_server",
+        host: str = "127.0.0.1",
+        port: Optional[int] = None,
+        env: Optional[Dict[str, str]] = None,
+        log_path: Optional[str | os.PathLike] = None,
+        start_timeout: float = 240.0,
+        request_timeout: float = 600.0,
+        require_cpu_shim: bool = True,
+    ):
+        self.model_path = str(model_path)
+        self.host = host
+        self.port = port or free_port(host)
+        self.base_url = f"http://{host}:{self.port}"
+        self.module = module
+        self.start_timeout = start_timeout
+        self.request_timeout = request_timeout
+        self.require_cpu_shim = require_cpu_shim
+        args = [
+            "--model-path", self.model_path,
+            "--host", host,
+            "--port", str(self.port),
+            "--dtype", dtype,
+            "--max-total-tokens", str(max_total_tokens),
+            "--max-running-requests", str(max_running_requests),
+            *BASE_ARGS,
+        ]
+        if page_size is not None:
+            args += ["--page-size", str(page_size)]
+        if chunked_prefill_size is not None:
+            args += ["--chunked-prefill-size", str(chunked_prefill_size)]
+        args += list(extra_args)
+        self.args = args
+        self.env = dict(os.environ)
+        self.env.update(SERVER_ENV)
+        if env:
+            self.env.update(env)
+        if log_path is None:
+            DEFAULT_LOG_DIR.mkdir(parents=True, exist_ok=True)
+            fd, log_path = tempfile.mkstemp(
+                prefix=f"sglang-{self.port}-", suffix=".log", dir=DEFAULT_LOG_DIR
+            )
+            os.close(fd)
+        self.log_path = Path(log_path)
+        self.proc: Optional[subprocess.Popen] = None
+        self._log_file = None
+        self.startup_seconds: Optional[float] = None
+
+    # ------------------------------------------------------------------ life
+    @property
+    def command(self) -> List[str]:
+        return [sys.executable, "-m", self.module, *self.args]
+
+    def start(self) -> "SGLangServer":
+        if self.require_cpu_shim and not cpu_shim_hook_installed():
+            raise ServerError(
+                "the CPU shim start-up hook is not installed; run scripts/setup_cpu.sh "
+                "(or: python -m sglang_compact.srt.cpu_shim --install-pth)"
+            )
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log_file = open(self.log_path, "wb")
+        self._log_file.write(("$ " + " ".join(self.command) + "\n").encode())
+        self._log_file.flush()
+        t0 = time.monotonic()
+        self.proc = subprocess.Popen(
+            self.command,
+            cwd=str(REPO_ROOT),
+            env=self.env,
+            stdin=subprocess.DEVNULL,
+            stdout=self._log_file,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # own process group: killed as a whole
+        )
+        try:
+            self._wait_healthy()
+        except BaseException:
+            self.stop()
+            raise
+        self.startup_seconds = time.monotonic() - t0
+        return self
+
+    def _wait_healthy(self) -> None:
+        deadline = time.monotonic() + self.start_timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise ServerError(
+                    f"SGLang server exited with code {self.proc.returncode} during start-up; "
+                    f"log {self.log_path}:\n{self.log_tail()}"
+                )
+            try:
+                with urllib.request.urlopen(self.base_url + "/health", timeout=5) as r:
+                    if r.status == 200:
+                        return
+            except (urllib.error.URLError, ConnectionError, OSError):
+                pass
+            time.sleep(0.5)
+        raise ServerError(
+            f"SGLang server not healthy after {self.start_timeout:.0f}s; "
+            f"log {self.log_path}:\n{self.log_tail()}"
+        )
+
+    def stop(self, grace: float = 3.0) -> None:
+        proc, self.proc = self.proc, None
+        if proc is not None:
+            try:
+                pgid = os.getpgid(proc.pid)
+            except ProcessLookupError:
+                pgid = None
+            if pgid is not None:
+                self._signal_group(pgid, signal.SIGTERM)
+                try:
+                    proc.wait(timeout=grace)
+                except subprocess.TimeoutExpired:
+                    pass
+                # Children (scheduler, detokenizer) may outlive the launcher.
+                self._signal_group(pgid, signal.SIGKILL)
+            try:
+                proc.wait(timeout=grace)
+            except subprocess.TimeoutExpired:
+                pass
+        if self._log_file is not None:
+            self._log_file.close()
+            self._log_file = None
+
+    @staticmethod
+    def _signal_group(pgid: int, sig: int) -> None:
+        try:
+            os.killpg(pgid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def __enter__(self) -> "SGLangServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def __del__(self):  # last resort
+        try:
+            self.stop(grace=1.0)
+        except Exception:
+            pass
+
+    def log_tail(self, n_chars: int = 6000) -> str:
+        try:
+            data = self.log_path.read_bytes()
+        except OSError:
+            return "<no log>"
+        return data[-n_chars:].decode(errors="replace")
+
+    # -------------------------------------------------------------- requests
+    def post(self, path: str, payload: Dict[str, Any]) -> Any:
+        if self.proc is None or self.proc.poll() is not None:
+            raise ServerError(f"server is not running; log {self.log_path}:\n{self.log_tail()}")
+        req = urllib.request.Request(
+            self.base_url + path,
+            data=json.dumps(payload).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        try:
+            with urllib.request.urlopen(req, timeout=self.request_timeout) as r:
+                return json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            body = e.read().decode(errors="replace")
+            raise ServerError(f"{path} -> HTTP {e.code}: {body}\nlog tail:\n{self.log_tail()}") from e
+
+    def generate(
+        self,
+        input_ids: Optional[Sequence[int]] = None,
+        text: Optional[str] = None,
+        max_new_tokens: int = 16,
+        temperature: float = 0.0,
+        ignore_eos: bool = False,
+        **sampling_params: Any,
+    ) -> GenerateResult:
+        """Greedy (temperature 0) generation for one prompt, ids or text."""
+        if (input_ids is None) == (text is None):
+            raise ValueError("give exactly one of input_ids and text")
+        payload: Dict[str, Any] = {
+            "sampling_params": dict(
+                max_new_tokens=max_new_tokens,
+                temperature=temperature,
+                ignore_eos=ignore_eos,
+                **sampling_params,
+            )
+        }
+        if input_ids is not None:
+            payload["input_ids"] = [int(t) for t in input_ids]
+        else:
+            payload["text"] = text
+        out = self.post("/generate", payload)
+        return GenerateResult(
+            output_ids=list(out.get("output_ids", [])),
+            text=out.get("text", ""),
+            meta_info=out.get("meta_info", {}),
+            raw=out,
+        )
+
+    def flush_cache(self) -> None:
+        with urllib.request.urlopen(self.base_url + "/flush_cache", timeout=30) as r:
+            r.read()

@@ -1,0 +1,145 @@
+"""The RULER-style task generator and scorers (`sglang_compact.eval.tasks`), and the results table.
+
+Most tests use a toy word tokenizer (no model needed); the length-targeting
+test also runs with SmolLM2's real tokenizer when models/ has it (the server
+tests' fixture converts it; tokenizer files only, no weights are loaded).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from sglang_compact.eval import results as R
+from sglang_compact.eval.tasks import TASKS, make_sample, make_suite, score_string_match_all
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+MODEL_DIR = REPO_ROOT / "models" / "smollm2-135m-instruct"
+
+
+class WordTokenizer:
+    """Toy tokenizer: words and punctuation marks are tokens; a ChatML-like template."""
+
+    chat_template = "toy"
+
+    def __init__(self):
+        self.vocab: dict[str, int] = {}
+
+    def encode(self, text, add_special_tokens=False):
+        return [self.vocab.setdefault(w, len(self.vocab)) for w in re.findall(r"\w+|[^\w\s]", text)]
+
+    def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=True):
+        s = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
+        return s + ("<|im_start|>assistant\n" if add_generation_prompt else "")
+
+
+def real_tokenizer():
+    if not (MODEL_DIR / "tokenizer.json").exists():
+        return None
+    from sglang_compact.eval.tasks import load_tokenizer
+    return load_tokenizer(str(MODEL_DIR))
+
+
+TOKENIZERS = ["toy", "smollm2"]
+
+
+@pytest.fixture(params=TOKENIZERS)
+def tokenizer(request):
+    if request.param == "toy":
+        return WordTokenizer()
+    tok = real_tokenizer()
+    if tok is None:
+        pytest.skip("models/smollm2-135m-instruct not converted (scripts/convert_smollm2.py)")
+    return tok
+
+
+def test_deterministic():
+    a = make_suite(WordTokenizer(), lengths=(1024,), n=2, seed=3)
+    b = make_suite(WordTokenizer(), lengths=(1024,), n=2, seed=3)
+    assert [s.prompt for s in a] == [s.prompt for s in b]
+    assert [s.answers for s in a] == [s.answers for s in b]
+    c = make_suite(WordTokenizer(), lengths=(1024,), n=2, seed=4)
+    assert [s.answers for s in a] != [s.answers for s in c]
+    # samples differ from each other
+    assert len({s.prompt for s in a}) == len(a)
+
+
+@pytest.mark.parametrize("length", [2048, 4096, 8192])
+def test_length_targeting(tokenizer, length):
+    for task in TASKS:
+        s = make_sample(task, length, 1, tokenizer)
+        target = length - s.max_new_tokens
+        n = len(tokenizer.encode(s.prompt, add_special_tokens=False))
+        assert n == s.num_tokens
+        assert 0.97 * target <= n <= target, (task, n, target)
+
+
+def test_answers_in_prompt_and_structure(tokenizer):
+    for task, spec in TASKS.items():
+        for i in range(3):
+            s = make_sample(task, 2048, i, tokenizer)
+            assert s.prompt.count("<|im_start|>assistant") == 1
+            body, _, tail = s.prompt.rpartition("<|im_start|>assistant\n")
+            for a in s.answers:
+                assert a in body, (task, a)
+            if task == "vt":
+                assert len(s.answers) == spec.needles + 1
+                value = re.search(r"VAR \w+ = (\d+)\.", body).group(1)
+                assert f"VAR {s.answers[0]} = {value}." in body
+                for x, y in zip(s.answers, s.answers[1:]):
+                    assert f"VAR {y} = VAR {x}." in body
+                    assert body.index(f"VAR {x} ") < body.index(f"VAR {y} =")  # chain in order
+                assert tail.startswith("Answer:")
+            else:
+                expect = spec.needles * spec.values_per_key
+                assert len(s.answers) == expect
+                assert body.count("One of the special magic") == expect + spec.distractors
+                for a in s.answers:
+                    assert body.count(a) == 1  # no value collides with another needle or the haystack
+                assert tail.startswith("The special magic")
+
+
+def test_value_kinds(tokenizer):
+    num = make_sample("niah_single_number", 2048, 0, tokenizer).answers[0]
+    word = make_sample("niah_single_word", 2048, 0, tokenizer).answers[0]
+    uid = make_sample("niah_single_uuid", 2048, 0, tokenizer).answers[0]
+    assert re.fullmatch(r"\d{7}", num)
+    assert re.fullmatch(r"[a-z]+", word)
+    assert re.fullmatch(r"[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}", uid)
+
+
+def test_depths_spread():
+    # needle depth is uniform over the haystack: across samples both halves are used
+    depths = [make_sample("niah_single_number", 1024, i, WordTokenizer()).depths[0] for i in range(20)]
+    assert min(depths) < 0.5 < max(depths)
+
+
+def test_scorer():
+    assert score_string_match_all("The number is 1234567.", ["1234567"]) == 1.0
+    assert score_string_match_all("it is 123456", ["1234567"]) == 0.0
+    assert score_string_match_all("Zeppelin!", ["zeppelin"]) == 1.0  # case-insensitive
+    assert score_string_match_all("1111111, 2222222 and 4444444", ["1111111", "2222222", "3333333", "4444444"]) == 0.75
+    s = make_sample("niah_multivalue", 1024, 0, WordTokenizer())
+    full = ", ".join(s.answers)
+    assert s.score(full) == 1.0 and s.all_found(full)
+    assert s.score(full.replace(s.answers[-1], "")) == 0.75 and not s.all_found(full.replace(s.answers[-1], ""))
+    assert s.score("") == 0.0
+
+
+def test_results_markdown_and_append(tmp_path):
+    path = tmp_path / "accuracy.json"
+    row = dict(model="m", task="niah_single_number", length=2048, method="dense", params={}, n=5, accuracy=80.0,
+               density=None, date="2026-11-29", device="cpu")
+    R.append_rows([row, {**row, "task": "vt", "accuracy": 40.0}], path)
+    R.append_rows([{**row, "method": "compact-flashprefill", "params": {"alpha": 0.06}, "density": 0.5}], path)
+    assert len(json.loads(path.read_text())) == 3
+    md = R.render_markdown(R.load_rows(path))
+    assert "| dense |  | cpu | 5 |  | 80.0 | 40.0 | 60.0 |" in md
+    assert "| compact-flashprefill | alpha=0.06 | cpu | 5 | 0.500 | 80.0 |  | 80.0 |" in md
+    with pytest.raises(ValueError):
+        R.append_rows([{"model": "m"}], path)
+    written = R.regenerate(path)
+    assert path.with_suffix(".md") in written
