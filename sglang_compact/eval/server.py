@@ -1,7 +1,6 @@
 """Start a real SGLang 0.5.17 server on the CPU for the evaluation.
 
-Copied from ``tests/serving.py`` (the package must not import from tests/);
-keep the two in step.
+The tests use it too (``tests/serving.py`` re-exports it).
 
     with SGLangServer(model_path, page_size=16, chunked_prefill_size=256) as srv:
         out = srv.generate(input_ids=[...], max_new_tokens=16)
