@@ -34,7 +34,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "scripts"))
 sys.path.insert(0, str(REPO / "scripts" / "gpu"))
-from make_llama_config import config as llama_config  # noqa: E402
+from make_llama_config import write_model_dir  # noqa: E402
 from serving_check import Server  # noqa: E402
 
 try:
@@ -73,9 +73,7 @@ def main() -> int:
     t_start = time.time()
     out = Path(a.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    model = Path("/tmp/llama-3.1-8b-dummy")
-    model.mkdir(parents=True, exist_ok=True)
-    (model / "config.json").write_text(json.dumps(llama_config("llama-3.1-8b", a.layers)))
+    model = write_model_dir("/tmp/llama-3.1-8b-dummy", "llama-3.1-8b", a.layers)
     ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
     contexts, chunks, batches = ints(a.contexts), ints(a.chunks), ints(a.batches)
     methods = [m for m in a.methods.split(",") if m]

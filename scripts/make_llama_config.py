@@ -34,16 +34,21 @@ def config(preset: str, layers: int | None = None) -> dict:
             "bos_token_id": 128000, "eos_token_id": 128009, **base}
 
 
+def write_model_dir(path: str | Path, preset: str = "llama-3.1-8b", layers: int | None = None) -> Path:
+    """A folder holding only config.json, for `--load-format dummy --skip-tokenizer-init`."""
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(config(preset, layers), indent=2))
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", choices=sorted(PRESETS), default="llama-3.1-8b")
     ap.add_argument("--layers", type=int, default=None, help="override the layer count")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(config(a.preset, a.layers), indent=2))
-    print(out / "config.json")
+    print(write_model_dir(a.out, a.preset, a.layers) / "config.json")
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "scripts"))
-from make_llama_config import config as llama_config  # noqa: E402
+from make_llama_config import write_model_dir  # noqa: E402
 
 
 def free_port() -> int:
@@ -129,9 +129,7 @@ def main() -> None:
     a = ap.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    model = Path("/tmp/llama-3.1-8b-dummy")
-    model.mkdir(parents=True, exist_ok=True)
-    (model / "config.json").write_text(json.dumps(llama_config("llama-3.1-8b", a.layers)))
+    model = write_model_dir("/tmp/llama-3.1-8b-dummy", "llama-3.1-8b", a.layers)
     skip = set(filter(None, a.skip.split(",")))
     common = ["--model-path", str(model), "--load-format", "dummy", "--skip-tokenizer-init", "--page-size", "64",
               "--disable-prefill-cuda-graph", "--mem-fraction-static", "0.8", "--tp", str(a.tp),
