@@ -122,9 +122,11 @@ def test_metrics_in_multiprocess_mode(tmp_path):
         from prometheus_client import CollectorRegistry, generate_latest, multiprocess
         from sglang_compact.srt.telemetry import CompactMetrics, CompactTelemetry
 
-        class Stats:
-            def __init__(self, v): self.v = v
-            def as_floats(self): return {"selected": self.v, "after_q": self.v + 0.1, "after_group": self.v + 0.2}
+        import torch
+        from sglang_compact.union import UnionStats
+
+        def Stats(v):
+            return UnionStats(*(torch.tensor(x, dtype=torch.float64) for x in (v, v + 0.1, v + 0.2)))
 
         m = CompactMetrics({"model_name": "m", "tp_rank": 0}, num_layers=3)
         CompactMetrics({"model_name": "m", "tp_rank": 0}, num_layers=3)  # a second instance does not clash

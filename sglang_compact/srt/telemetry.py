@@ -152,15 +152,22 @@ class CompactTelemetry:
             self._last_mask = None
 
     def flush(self) -> dict | None:
-        """Summarise the previous forward pass (reads the device scalars once)."""
-        if not self._stats or self._batch is None:
+        """Summarise the previous forward pass: one device->host copy of all its scalars,
+        and none at all when neither metrics nor debug logging would use them."""
+        wanted = self.metrics is not None or logger.isEnabledFor(logging.DEBUG)
+        if not self._stats or self._batch is None or not wanted:
             self._stats.clear()
             self._coverage.clear()
             return None
-        per_layer = {layer: s.as_floats() for layer, s in sorted(self._stats.items())}
+        layers = sorted(self._stats)
+        stages = ("selected", "after_q", "after_group")
+        scalars = [getattr(self._stats[layer], k) for layer in layers for k in stages]
+        scalars += list(self._coverage.values())
+        values = torch.stack([torch.as_tensor(x, dtype=torch.float64) for x in scalars]).tolist()
+        per_layer = {layer: dict(zip(stages, values[3 * i:3 * i + 3])) for i, layer in enumerate(layers)}
         prefix, chunk, rows = self._batch
         mean = lambda k: sum(v[k] for v in per_layer.values()) / len(per_layer)  # noqa: E731
-        coverage = min((float(c) for c in self._coverage.values()), default=1.0)
+        coverage = min(values[3 * len(layers):], default=1.0)
         compact_chunks = sum(1 for r in rows if r)
         compact_tokens = sum(c for c, r in zip(chunk, rows) if r)
         summary = {
