@@ -166,12 +166,6 @@ class ChunkBatch:
         valid = torch.arange(NKV * P, device=k.device)[None, :] < self.prefix_lens[:, None]
         return k * valid[:, None, :, None].to(k.dtype), valid
 
-    def prefix_values(self) -> torch.Tensor:
-        NKV, P = self.max_kv_blocks, self.page_size
-        v = self.v_pool[self.page_table[:, :NKV].long()]
-        B, _, H, _, D = v.shape
-        return v.permute(0, 2, 1, 3, 4).reshape(B, H, NKV * P, D)
-
     def kv_block_valid(self) -> torch.Tensor:
         """bool [B, NKV]: block j exists in request b's prefix."""
         return torch.arange(self.max_kv_blocks, device=self.q.device)[None, :] < self.kv_blocks()[:, None]

@@ -15,7 +15,7 @@ from sglang_compact.batch import ChunkBatch
 from sglang_compact.config import CompactConfig
 from sglang_compact.plan import PagedPlan, PlanBuffers, build_plan
 from sglang_compact.selectors import Selection, make_selector
-from sglang_compact.selectors.base import top_k_rows, valid_cells
+from sglang_compact.selectors.base import top_row_blocks, valid_cells
 from sglang_compact.union import UnionStats, forced_blocks, union_stats, union_table
 
 
@@ -43,12 +43,7 @@ def apply_density_cap(table: torch.Tensor, scores: torch.Tensor, kv_blocks: torc
         table: bool [B, H_kv, NKV]; scores: float [B, H_q, NQ, NKV];
         kv_blocks: int [B]; forced: bool [B, NKV].
     """
-    B, H_kv, NKV = table.shape
-    agg = scores.reshape(B, H_kv, -1, NKV).amax(dim=2).to(torch.float64)
-    agg = agg.masked_fill(forced[:, None, :], float("inf"))
-    k = torch.ceil(kv_blocks.to(torch.float64) * cap - 1e-9).to(torch.long)
-    k = torch.maximum(k, forced.sum(-1))[:, None, None]
-    return top_k_rows(agg, table, k)
+    return top_row_blocks(scores, table, kv_blocks, forced, cap, min_keep=forced.sum(-1))
 
 
 class CompactAttention:

@@ -221,15 +221,20 @@ def run_samples(client: Client, samples: list[Sample], desc: str, flush: bool = 
                    "seconds": round(dt, 3), "prompt_tokens": r.get("meta_info", {}).get("prompt_tokens"),
                    "completion_tokens": r.get("meta_info", {}).get("completion_tokens"),
                    "server_density": server_density}
-            out.append(rec)
-            if log_file is not None:
-                log_file.write(json.dumps(rec) + "\n")
-                log_file.flush()
-            bar.update(1)
-            bar.set_postfix_str(f"{s.task}@{s.length} {dt:.1f}s score {rec['score']:.2f}")
+            _keep(out, rec, log_file, bar, s, dt)
     finally:
         bar.close()
     return out
+
+
+def _keep(out: list, rec: dict, log_file, bar, s: Sample, seconds: float) -> None:
+    """Keep one scored sample: in `out`, in the JSONL log if any, and on the progress bar."""
+    out.append(rec)
+    if log_file is not None:
+        log_file.write(json.dumps(rec) + "\n")
+        log_file.flush()
+    bar.update(1)
+    bar.set_postfix_str(f"{s.task}@{s.length} {seconds:.1f}s score {rec['score']:.2f}")
 
 
 def run_samples_hf(args, samples: list[Sample], desc: str, log_file=None) -> tuple[list[dict[str, Any]], dict]:
@@ -251,12 +256,7 @@ def run_samples_hf(args, samples: list[Sample], desc: str, log_file=None) -> tup
                    "seconds": round(g.seconds, 3), "density": g.density}
             if g.density is not None:
                 dens.setdefault((s.task, s.length), []).append(g.density)
-            out.append(rec)
-            if log_file is not None:
-                log_file.write(json.dumps(rec) + "\n")
-                log_file.flush()
-            bar.update(1)
-            bar.set_postfix_str(f"{s.task}@{s.length} {g.seconds:.1f}s score {rec['score']:.2f}")
+            _keep(out, rec, log_file, bar, s, g.seconds)
     finally:
         bar.close()
     return out, {k: sum(v) / len(v) for k, v in dens.items()}

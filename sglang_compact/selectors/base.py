@@ -93,11 +93,6 @@ def pooled_keys_from_pool(batch: ChunkBatch) -> torch.Tensor:
     return (s / n[:, None, :, None]).permute(0, 2, 1, 3)
 
 
-def expand_kv_heads(x: torch.Tensor, group: int, dim: int = 1) -> torch.Tensor:
-    """Repeat each kv head `group` times along `dim` (kv head g -> q heads g*G .. g*G+G-1)."""
-    return x.repeat_interleave(group, dim=dim)
-
-
 def pooled_block_scores(batch: ChunkBatch, pooled_keys: torch.Tensor, q_block: int,
                         use_triton: bool | None = None) -> torch.Tensor:
     """FlashPrefill-style block scores against pooled keys (see `kernels/flashprefill_naive.py`).
@@ -151,9 +146,23 @@ def top_k_rows(scores: torch.Tensor, valid: torch.Tensor, k: torch.Tensor) -> to
     return (rank < k) & valid
 
 
-def top_fraction_rows(scores: torch.Tensor, valid: torch.Tensor, fraction: float) -> torch.Tensor:
-    """Keep the ceil(fraction * n_valid) best-scoring valid cells of each row (at least one)."""
-    n_valid = valid.sum(dim=-1, keepdim=True)
+def top_row_blocks(scores: torch.Tensor, valid: torch.Tensor, kv_blocks: torch.Tensor, forced: torch.Tensor,
+                   fraction: float, min_keep: torch.Tensor | int) -> torch.Tensor:
+    """Keep ceil(fraction * n_b) blocks (at least `min_keep`) of each (request, kv head) row.
+
+    Blocks are ranked by their best score over the row's query heads and query
+    blocks, forced blocks first. Used by the `budget` selector and the density cap.
+
+    Args:
+        scores: float [B, H_q, NQ, NKV]; valid: bool [B, H_kv, NKV] cells that may be kept;
+        kv_blocks: int [B]; forced: bool [B, NKV]; min_keep: int or int [B].
+    Returns:
+        bool [B, H_kv, NKV]
+    """
+    B, H_kv, NKV = valid.shape
+    row = scores.reshape(B, H_kv, -1, NKV).amax(dim=2).to(torch.float64)
+    row = row.masked_fill(forced[:, None, :], float("inf"))
     # the epsilon keeps 0.3 * 10 at 3 blocks, not 4
-    k = torch.ceil(n_valid.to(torch.float64) * fraction - 1e-9).clamp(min=1).to(torch.long)
-    return top_k_rows(scores, valid, k)
+    k = torch.ceil(kv_blocks.to(torch.float64) * fraction - 1e-9).to(torch.long)
+    k = torch.maximum(k, torch.as_tensor(min_keep, device=k.device))
+    return top_k_rows(row, valid, k[:, None, None])

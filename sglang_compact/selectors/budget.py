@@ -9,11 +9,9 @@ density); `CompactConfig.density_cap` ranks the same way.
 
 from __future__ import annotations
 
-import torch
-
 from sglang_compact.kernels.union_naive import forced_blocks
 from sglang_compact.selectors.base import (Selection, Selector, pooled_block_scores, pooled_keys_from_pool,
-                                           register_selector, top_k_rows, valid_cells)
+                                           register_selector, top_row_blocks, valid_cells)
 
 
 @register_selector("budget")
@@ -26,13 +24,9 @@ class BudgetSelector(Selector):
         if pooled_keys is None:
             pooled_keys = pooled_keys_from_pool(batch)
         scores = pooled_block_scores(batch, pooled_keys, bs)  # [B, H_q, NQ, NKV]
-        B, H_q, NQ, NKV = scores.shape
-        H_kv = batch.num_kv_heads
         kv_blocks = batch.kv_blocks()
-        row_score = scores.reshape(B, H_kv, -1, NKV).amax(dim=2)
-        forced = forced_blocks(kv_blocks, NKV, cfg.sink_blocks, cfg.recent_blocks)
-        row_score = row_score.masked_fill(forced[:, None, :], float("inf"))
-        k = torch.ceil(kv_blocks.to(torch.float64) * cfg.param("density") - 1e-9).clamp(min=1).to(torch.long)
-        rows = top_k_rows(row_score, batch.kv_block_valid()[:, None, :].expand_as(row_score), k[:, None, None])
+        forced = forced_blocks(kv_blocks, scores.shape[-1], cfg.sink_blocks, cfg.recent_blocks)
+        valid = batch.kv_block_valid()[:, None, :].expand(-1, batch.num_kv_heads, -1)
+        rows = top_row_blocks(scores, valid, kv_blocks, forced, cfg.param("density"), min_keep=1)
         mask = rows.repeat_interleave(batch.group_size, dim=1)[:, :, None, :] & valid_cells(batch, bs)
         return Selection(mask.contiguous(), scores)
