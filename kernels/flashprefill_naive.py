@@ -6,7 +6,8 @@ import torch
 
 
 def block_scores(q: torch.Tensor, cu_chunk: torch.Tensor, chunk_lens_cpu, pooled_keys: torch.Tensor,
-                 kv_blocks: torch.Tensor, sm_scale: float, q_block: int, n_q_blocks: int) -> torch.Tensor:
+                 kv_blocks: torch.Tensor, sm_scale: float, q_block: int, n_q_blocks: int,
+                 group_max: bool = False, config: dict | None = None) -> torch.Tensor:
     """Score every (query block, prefix block) pair against the prefix blocks' mean keys.
 
         s[t, j]     = q_t . kbar_j * sm_scale          (t a query of the chunk, j < n_b)
@@ -20,8 +21,10 @@ def block_scores(q: torch.Tensor, cu_chunk: torch.Tensor, chunk_lens_cpu, pooled
         pooled_keys:  [B, NKV, H_kv, D] mean key of each prefix block
         kv_blocks:    int [B] valid prefix blocks n_b
         q_block:      queries per query block; n_q_blocks: NQ (>= every request's block count)
+        group_max:    reduce over each kv head's G query heads too
+        config:       launch parameters of the kernel (ignored here)
     Returns:
-        float32 [B, H_q, NQ, NKV]; 0 outside valid cells.
+        float32 [B, H_q, NQ, NKV] ([B, H_kv, NQ, NKV] with group_max); 0 outside valid cells.
     """
     B, NKV, H_kv, D = pooled_keys.shape
     H_q = q.shape[1]
@@ -41,4 +44,6 @@ def block_scores(q: torch.Tensor, cu_chunk: torch.Tensor, chunk_lens_cpu, pooled
         if pad:
             p = torch.cat([p, p.new_zeros(H_q, pad, n)], dim=1)
         out[b, :, :nq, :n] = p.reshape(H_q, nq, q_block, n).amax(dim=2)
+    if group_max:
+        out = out.reshape(B, H_kv, G, n_q_blocks, NKV).amax(dim=2)
     return out

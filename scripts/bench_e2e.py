@@ -5,11 +5,16 @@
         --methods flashinfer,compact_budget_1.0,compact_budget_0.3 --out-dir $OUT
 
 For each chunk size and method one server is started (Llama-3.1-8B config,
-dummy weights, page 64, decode CUDA graphs on, prefill CUDA graphs off), then
-for each (context, batch): one warm-up round, then `--reps` rounds of `batch`
-concurrent requests with fresh random prompts (no radix-cache hits) and
-`max_new_tokens=1`; TTFT is the median over rounds of the slowest request of
-the round (the batch's time to first token). Dummy weights carry no attention
+dummy weights, page 64, decode CUDA graphs on, prefill CUDA graphs off). With
+`--concurrent-servers` the servers of one chunk size start at the same time on
+the one GPU (each with `--mem-fraction-static 0.9` of the memory free when it
+starts and its KV pool capped by `--max-total-tokens` at the largest
+context x batch, so they fit side by side); they are then measured one after
+another, the others idle. For each (context, batch): one warm-up request of
+min(context, 16K) tokens, then `--reps` rounds of `batch` concurrent requests
+with fresh random prompts (no radix-cache hits) and `max_new_tokens=1`; TTFT is
+the median over rounds of the slowest request of the round (the batch's time
+to first token). Dummy weights carry no attention
 structure, so compact runs at fixed post-union densities (`budget`) and the
 rows carry the density that applies (`--density-note`).
 
@@ -69,6 +74,8 @@ def main() -> int:
     ap.add_argument("--density-note", default="0.3 (no accuracy result yet for Llama-3.1-8B)")
     ap.add_argument("--out-dir", default=str(REPO / "docs" / "results"))
     ap.add_argument("--deadline-s", type=float, default=None, help="start no new configuration after this")
+    ap.add_argument("--concurrent-servers", action="store_true",
+                    help="start the methods' servers of a chunk size side by side (capped KV pools)")
     a = ap.parse_args()
     t_start = time.time()
     out = Path(a.out_dir)
@@ -85,40 +92,76 @@ def main() -> int:
     rows = []
     total = len(chunks) * len(methods) * len(contexts) * len(batches)
     bar = tqdm(total=total, desc="e2e") if tqdm else None
+    pool_tokens = max(contexts) * max(batches) + 4096
+    context_len = min(max(contexts) + 256, 131072)  # Llama-3.1's limit; longer prompts are cut to fit
+
+    def start(method: str, chunk: int) -> Server:
+        module, flags, _ = method_args(method)
+        common = ["--model-path", str(model), "--load-format", "dummy", "--skip-tokenizer-init",
+                  "--page-size", "64", "--disable-prefill-cuda-graph", "--tp", str(a.tp),
+                  "--chunked-prefill-size", str(chunk), "--context-length", str(context_len),
+                  "--max-running-requests", str(max(batches)), "--cuda-graph-max-bs", str(max(batches))]
+        if a.concurrent_servers:
+            common += ["--mem-fraction-static", "0.9", "--max-total-tokens", str(pool_tokens)]
+        else:
+            common += ["--mem-fraction-static", "0.85"]
+        if module == "sglang_compact.launch_server":
+            common += ["--compact-min-prefix-len", str(a.min_prefix_len)]
+        return Server(module, common + flags, out / f"e2e_{method}_c{chunk}_tp{a.tp}.log")
+
+    def measure(srv: Server, method: str, chunk: int) -> None:
+        _, _, density = method_args(method)
+        for ctx in contexts:
+            for bsz in batches:
+                def round_(n_tokens, n_req):
+                    prompts = [[rng.randrange(1000, 120000) for _ in range(n_tokens)] for _ in range(n_req)]
+                    t0 = time.time()
+                    with cf.ThreadPoolExecutor(n_req) as ex:
+                        list(ex.map(lambda p: srv.generate(p, 1), prompts))
+                    return time.time() - t0
+                round_(min(ctx, 16384), 1)  # warm-up
+                n_tokens = min(ctx, context_len - 8)
+                times = [round_(n_tokens, bsz) for _ in range(a.reps)]
+                row = {"bench": "e2e", "gpu": gpu, "date": date, "cmd": cmd, "context": ctx, "chunk": chunk,
+                       "prompt_tokens": n_tokens, "batch": bsz, "q_heads": 32 // a.tp, "kv_heads": 8 // a.tp, "tp": a.tp,
+                       "layers": a.layers, "method": method, "density": density,
+                       "ms": 1000 * statistics.median(times), "ms_all": [1000 * t for t in times],
+                       "speedup_vs_dense": None, "overhead_frac": None, "server_start_s": round(srv.start_s, 1),
+                       "density_note": None if method == "flashinfer" else a.density_note}
+                rows.append(row)
+                print(f"{method} chunk {chunk} ctx {ctx} batch {bsz}: {row['ms']:.0f} ms (all {row['ms_all']})",
+                      flush=True)
+                if bar:
+                    bar.update(1)
+
     for chunk in chunks:
+        if a.deadline_s and time.time() - t_start > a.deadline_s:
+            print(f"deadline reached; skipping chunk {chunk}")
+            continue
+        if a.concurrent_servers:
+            with cf.ThreadPoolExecutor(len(methods)) as ex:
+                futures = {m: ex.submit(start, m, chunk) for m in methods}
+            servers = {}
+            for m, f in futures.items():
+                try:
+                    servers[m] = f.result()
+                except Exception as e:  # noqa: BLE001
+                    print(f"{m} chunk {chunk}: server failed: {e}", flush=True)
+            try:
+                for m in methods:
+                    if m in servers and not (a.deadline_s and time.time() - t_start > a.deadline_s):
+                        measure(servers[m], m, chunk)
+            finally:
+                for srv in servers.values():
+                    srv.stop()
+            continue
         for method in methods:
             if a.deadline_s and time.time() - t_start > a.deadline_s:
                 print(f"deadline reached; skipping chunk {chunk} {method}")
                 continue
-            module, flags, density = method_args(method)
-            common = ["--model-path", str(model), "--load-format", "dummy", "--skip-tokenizer-init",
-                      "--page-size", "64", "--disable-prefill-cuda-graph", "--mem-fraction-static", "0.85",
-                      "--tp", str(a.tp), "--chunked-prefill-size", str(chunk), "--context-length",
-                      str(max(contexts) + 256), "--max-running-requests", str(max(batches))]
-            if module == "sglang_compact.launch_server":
-                common += ["--compact-min-prefix-len", str(a.min_prefix_len)]
-            log = out / f"e2e_{method}_c{chunk}_tp{a.tp}.log"
-            srv = Server(module, common + flags, log)
+            srv = start(method, chunk)
             try:
-                for ctx in contexts:
-                    for bsz in batches:
-                        def round_():
-                            prompts = [[rng.randrange(1000, 120000) for _ in range(ctx)] for _ in range(bsz)]
-                            t0 = time.time()
-                            with cf.ThreadPoolExecutor(bsz) as ex:
-                                list(ex.map(lambda p: srv.generate(p, 1), prompts))
-                            return time.time() - t0
-                        round_()  # warm-up
-                        times = [round_() for _ in range(a.reps)]
-                        row = {"bench": "e2e", "gpu": gpu, "date": date, "cmd": cmd, "context": ctx, "chunk": chunk,
-                               "batch": bsz, "q_heads": 32 // a.tp, "kv_heads": 8 // a.tp, "tp": a.tp,
-                               "layers": a.layers, "method": method, "density": density,
-                               "ms": 1000 * statistics.median(times), "ms_all": [1000 * t for t in times],
-                               "speedup_vs_dense": None, "overhead_frac": None,
-                               "density_note": None if method == "flashinfer" else a.density_note}
-                        rows.append(row)
-                        if bar:
-                            bar.update(1)
+                measure(srv, method, chunk)
             finally:
                 srv.stop()
     for r in rows:

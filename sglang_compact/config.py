@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 SELECTOR_NAMES = ("flashprefill", "xattention", "oracle", "dense", "budget", "seer")
+PREFILL_KERNELS = ("auto", "fa2", "fa3")
 
 # Per-selector parameters: name -> (default, min, max, kind). Bounds are inclusive.
 SELECTOR_PARAMS: dict[str, dict[str, tuple[Any, float, float, type]]] = {
@@ -45,6 +46,12 @@ class CompactConfig:
             path, >= 0.
         density_cap: optional upper bound on the post-union density of each
             (request, kv-head) row, in (0, 1]; None for no cap.
+        prefill_kernel: FlashInfer backend of the paged prefix attention on
+            CUDA: "fa2" (one plan per forward pass, no host sync), "fa3"
+            (Hopper; one plan per forward pass when the selector fixes every
+            row's length on the host, e.g. `budget`; otherwise a plan per layer
+            with a device->host sync), or "auto" (fa3 on sm90 for selectors
+            that fix the row lengths other than `dense`, else fa2). Ignored on CPU.
     """
 
     block_size: int = 64
@@ -54,6 +61,7 @@ class CompactConfig:
     recent_blocks: int = 4
     min_prefix_len: int = 4096
     density_cap: float | None = None
+    prefill_kernel: str = "auto"
 
     def __post_init__(self) -> None:
         bs = self.block_size
@@ -65,6 +73,8 @@ class CompactConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
                 _fail(name, f"must be an integer >= {lo}", v)
+        if self.prefill_kernel not in PREFILL_KERNELS:
+            _fail("prefill_kernel", f"must be one of {', '.join(PREFILL_KERNELS)}", self.prefill_kernel)
         cap = self.density_cap
         if cap is not None:
             if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not (0.0 < cap <= 1.0) or math.isnan(cap):

@@ -20,9 +20,15 @@ lengths, and rows shorter at run time gave relative errors ~0.9 (9/3, 6/2,
 failed with "operation not supported on global/shared address space" (9/3
 heads, head_dim 64). Without split-KV each CTA reads its row's real length.
 
-backend="fa3" cannot reuse a plan across different lengths (it bakes them into
-its host-side schedule), so it plans per layer from host copies of the lengths
-(one device->host sync per layer).
+backend="fa3" bakes the row lengths into its host-side schedule, so one plan
+serves every layer only when every layer's rows have the same lengths. That
+holds when the selector fixes them on the host (`CompactAttention.row_blocks`,
+e.g. `budget`, and the dense plan): `begin_forward(..., row_blocks=...)` then
+plans fa3 once with the exact lengths and each layer's plan kernel rewrites
+kv_indices in place (kv_indptr and kv_last_page_len come out identical). For
+threshold selectors fa3 plans per layer from host copies of the lengths (one
+device->host sync per layer; benchmarks only). Forward passes in which a
+request has no prefix run on fa2 (fa3 is not given zero-length rows).
 """
 
 from __future__ import annotations
@@ -51,8 +57,11 @@ def tokens_from_rows(x: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
     return x.reshape(num_kv_heads, T, G, *x.shape[2:]).transpose(0, 1).reshape(T, num_kv_heads * G, *x.shape[2:])
 
 
-def upper_bound_rows(prefix_lens: Sequence[int], chunk_lens: Sequence[int], num_kv_heads: int, page_size: int):
-    """Host metadata of the densest plan (every prefix page), rows r = g * B + b.
+def upper_bound_rows(prefix_lens: Sequence[int], chunk_lens: Sequence[int], num_kv_heads: int, page_size: int,
+                     row_blocks: Sequence[int] | None = None):
+    """Host metadata of the plan with `row_blocks[b]` pages per row (default every prefix page,
+    the densest plan), rows r = g * B + b. A row's last page is always its prefix's last page
+    (the most recent block is always kept), so kv_last_page_len does not depend on row_blocks.
 
     Returns int32 CPU tensors (qo_indptr [R+1], kv_indptr [R+1], kv_last_page_len [R]).
     """
@@ -60,11 +69,11 @@ def upper_bound_rows(prefix_lens: Sequence[int], chunk_lens: Sequence[int], num_
     qo, kv, last = [0], [0], []
     for g in range(num_kv_heads):
         start = 0
-        for L, C in zip(prefix_lens, chunk_lens):
+        for b, (L, C) in enumerate(zip(prefix_lens, chunk_lens)):
             start += C
             qo.append(g * T + start)
             n = cdiv(L, page_size)
-            kv.append(kv[-1] + n)
+            kv.append(kv[-1] + (n if row_blocks is None else row_blocks[b]))
             last.append(L - (n - 1) * page_size if n else 0)
     as_t = lambda v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
     return as_t(qo), as_t(kv), as_t(last)
@@ -75,7 +84,8 @@ class FlashInferExecutor:
         device: CUDA device.
         max_rows: bound on R = B * H_kv per forward pass.
         max_indices: bound on selected (row, page) pairs per forward pass.
-        backend: "fa2" (plan once per forward pass) or "fa3" (plan per layer).
+        backend: "fa2" (plan once per forward pass) or "fa3" (once per forward pass when
+            `begin_forward` gets the row lengths, else per layer with a host sync).
     """
 
     def __init__(self, device, max_rows: int, max_indices: int, backend: str = "fa2",
@@ -89,51 +99,79 @@ class FlashInferExecutor:
         self.max_indices = max_indices
         self.buffers: PlanBuffers | None = None
         self.workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=self.device)
-        self._paged = None
-        self._ragged = None
+        self._paged: dict[str, object] = {}
+        self._ragged: dict[str, object] = {}
         self._planned_for: tuple | None = None
+        #: how the current forward pass runs its paged part: "fa2", "fa3" (planned once) or "fa3-per-layer"
+        self.mode: str | None = None
 
     # --- planning, once per forward pass ---------------------------------------------------
-    def _paged_wrapper(self):
+    def _paged_wrapper(self, backend: str):
         from flashinfer import BatchPrefillWithPagedKVCacheWrapper
-        if self._paged is None:
-            self._paged = BatchPrefillWithPagedKVCacheWrapper(self.workspace, "HND", backend=self.backend)
-        return self._paged
+        if backend not in self._paged:
+            self._paged[backend] = BatchPrefillWithPagedKVCacheWrapper(self.workspace, "HND", backend=backend)
+        return self._paged[backend]
+
+    def _ragged_wrapper(self, backend: str):
+        from flashinfer import BatchPrefillWithRaggedKVCacheWrapper
+        if backend not in self._ragged:
+            self._ragged[backend] = BatchPrefillWithRaggedKVCacheWrapper(self.workspace, "NHD", backend=backend)
+        return self._ragged[backend]
 
     def begin_forward(self, prefix_lens: Sequence[int], chunk_lens: Sequence[int], num_q_heads: int,
-                      num_kv_heads: int, head_dim: int, page_size: int, dtype: torch.dtype, sm_scale: float):
-        """Plan both wrappers for a forward pass (host data only; once, not per layer)."""
-        from flashinfer import BatchPrefillWithRaggedKVCacheWrapper
+                      num_kv_heads: int, head_dim: int, page_size: int, dtype: torch.dtype, sm_scale: float,
+                      row_blocks: Sequence[int] | None = None):
+        """Plan both wrappers for a forward pass (host data only; once, not per layer).
+
+        Args:
+            row_blocks: pages every (request, kv head) row reads, per request, when every layer's
+                plan will have exactly these (`CompactAttention.row_blocks`); lets fa3 plan once.
+        """
         B = len(prefix_lens)
         R = B * num_kv_heads
         G = num_q_heads // num_kv_heads
         qo, kv_ub, last_ub = upper_bound_rows(prefix_lens, chunk_lens, num_kv_heads, page_size)
-        if R > self.max_rows or int(kv_ub[-1]) > self.max_indices:
-            raise ValueError(f"forward pass needs {R} rows / {int(kv_ub[-1])} page indices; executor holds "
+        n_ub = int(kv_ub[-1])
+        if R > self.max_rows or n_ub > self.max_indices:
+            raise ValueError(f"forward pass needs {R} rows / {n_ub} page indices; executor holds "
                              f"{self.max_rows} / {self.max_indices}")
+        if row_blocks is not None:
+            if len(row_blocks) != B or any(not 0 <= k <= cdiv(L, page_size) for k, L in zip(row_blocks, prefix_lens)):
+                raise ValueError(f"row_blocks {list(row_blocks)} do not fit prefixes {list(prefix_lens)} "
+                                 f"(page size {page_size})")
+        all_prefixed = all(L > 0 for L in prefix_lens)
+        if self.backend == "fa3" and all_prefixed:
+            self.mode = "fa3" if row_blocks is not None else "fa3-per-layer"
+        else:
+            self.mode = "fa2"
         self._meta = dict(G=G, D=head_dim, P=page_size, dtype=dtype, sm_scale=sm_scale, R=R)
-        if self.backend == "fa2" and int(kv_ub[-1]) > 0:
-            w = self._paged_wrapper()
-            w.plan(qo, kv_ub, torch.zeros(max(int(kv_ub[-1]), 1), dtype=torch.int32), last_ub, G, 1, head_dim,
-                   page_size, causal=False, sm_scale=sm_scale, q_data_type=dtype, kv_data_type=dtype,
-                   disable_split_kv=True)
+        self.buffers = None
+        if n_ub > 0 and self.mode != "fa3-per-layer":
+            if self.mode == "fa3":
+                _, kv_exact, _ = upper_bound_rows(prefix_lens, chunk_lens, num_kv_heads, page_size, row_blocks)
+                kv_plan, extra = kv_exact, {}
+            else:
+                kv_plan, extra = kv_ub, dict(disable_split_kv=True)
+            w = self._paged_wrapper(self.mode)
+            # kv_indices sized to the bound: the plan kernel's index_bound check is against this buffer
+            w.plan(qo, kv_plan, torch.zeros(max(n_ub, 1), dtype=torch.int32), last_ub, G, 1, head_dim,
+                   page_size, causal=False, sm_scale=sm_scale, q_data_type=dtype, kv_data_type=dtype, **extra)
             # the wrapper runs from these device tensors: the plan kernel writes into them
             self.buffers = PlanBuffers.wrap(w._qo_indptr_buf, w._paged_kv_indptr_buf, w._paged_kv_indices_buf,
                                             w._paged_kv_last_page_len_buf)
-        if self._ragged is None:
-            self._ragged = BatchPrefillWithRaggedKVCacheWrapper(self.workspace, "NHD", backend="fa2")
         cu = [0]
         for c in chunk_lens:
             cu.append(cu[-1] + c)
         cu_t = torch.tensor(cu, dtype=torch.int32)
-        self._ragged.plan(cu_t, cu_t, num_q_heads, num_kv_heads, head_dim, causal=True,
-                          sm_scale=sm_scale, q_data_type=dtype, kv_data_type=dtype)
+        self._ragged_kernel = "fa3" if self.backend == "fa3" else "fa2"
+        self._ragged_wrapper(self._ragged_kernel).plan(cu_t, cu_t, num_q_heads, num_kv_heads, head_dim, causal=True,
+                                                       sm_scale=sm_scale, q_data_type=dtype, kv_data_type=dtype)
         self._planned_for = (tuple(prefix_lens), tuple(chunk_lens), num_q_heads, num_kv_heads, head_dim,
                              page_size, dtype)
 
-    def begin_forward_for(self, batch: ChunkBatch) -> None:
+    def begin_forward_for(self, batch: ChunkBatch, row_blocks: Sequence[int] | None = None) -> None:
         self.begin_forward(batch.prefix_lens_cpu, batch.chunk_lens_cpu, batch.num_q_heads, batch.num_kv_heads,
-                           batch.head_dim, batch.page_size, batch.q.dtype, batch.sm_scale)
+                           batch.head_dim, batch.page_size, batch.q.dtype, batch.sm_scale, row_blocks)
 
     # --- per layer ---------------------------------------------------------------------------
     def _load_plan(self, plan: PagedPlan) -> None:
@@ -155,8 +193,10 @@ class FlashInferExecutor:
         P, D = batch.page_size, batch.head_dim
         q_rows = rows_from_tokens(batch.q, H_kv)
         kv = (batch.k_pool.view(-1, 1, P, D), batch.v_pool.view(-1, 1, P, D))
-        w = self._paged_wrapper()
-        if self.backend == "fa2":
+        if self.mode is None:
+            raise RuntimeError("FlashInferExecutor.prefix_attention before begin_forward")
+        w = self._paged_wrapper(self.mode if self.mode != "fa3-per-layer" else "fa3")
+        if self.mode != "fa3-per-layer":
             self._load_plan(plan)
         else:
             n = int(plan.kv_indptr[-1])  # fa3 needs real lengths on the host: one sync per layer
@@ -170,13 +210,14 @@ class FlashInferExecutor:
         """Causal attention of each chunk to itself only (batches without any prefix)."""
         if self._planned_for is None:
             raise RuntimeError("FlashInferExecutor.chunk_attention before begin_forward")
-        return self._ragged.run(q, k, v)
+        return self._ragged_wrapper(self._ragged_kernel).run(q, k, v)
 
     def run(self, batch: ChunkBatch, plan: PagedPlan, return_lse: bool = False):
         from flashinfer import merge_state
         if self._planned_for is None:
             raise RuntimeError("FlashInferExecutor.run before begin_forward")
         o_p, lse_p = self.prefix_attention(batch, plan)
-        o_c, lse_c = self._ragged.run(batch.q, batch.k_chunk, batch.v_chunk, return_lse=True)
+        o_c, lse_c = self._ragged_wrapper(self._ragged_kernel).run(batch.q, batch.k_chunk, batch.v_chunk,
+                                                                   return_lse=True)
         o, lse = merge_state(o_p.contiguous(), lse_p.contiguous(), o_c, lse_c)
         return (o, lse) if return_lse else o

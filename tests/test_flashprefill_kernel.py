@@ -20,6 +20,8 @@ def case(seed, P, hq, hkv, d, prefix, chunk):
     (1, 32, 6, 3, 32, [500, 64], [70, 33]),
     (2, 16, 8, 1, 64, [1000], [16]),
     (3, 64, 2, 2, 32, [4100, 257, 900], [130, 1, 64]),
+    (4, 32, 9, 3, 64, [700, 100], [90, 33]),   # G = 3: a padded head in the kernel's group tile
+    (5, 16, 5, 1, 16, [300], [50]),            # G = 5
 ])
 def test_kernel_equals_reference(seed, P, hq, hkv, d, prefix, chunk):
     b, pooled = case(seed, P, hq, hkv, d, prefix, chunk)
@@ -31,6 +33,10 @@ def test_kernel_equals_reference(seed, P, hq, hkv, d, prefix, chunk):
     # and the thresholded masks agree
     valid = valid_cells(b, P).expand_as(ref)
     assert torch.equal(threshold_rows(got, valid, 0.06), threshold_rows(ref, valid, 0.06))
+    # the group-max output (one row per kv head) is the max over each group's heads
+    ref_g = fp_naive.block_scores(*args, group_max=True)
+    assert torch.equal(ref_g, ref.reshape(len(prefix), hkv, hq // hkv, *ref.shape[2:]).amax(dim=2))
+    torch.testing.assert_close(fp_triton.block_scores(*args, group_max=True), ref_g, rtol=1e-5, atol=1e-6)
 
 
 def test_kernel_rejects_unsupported_shapes():

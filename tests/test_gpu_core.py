@@ -107,6 +107,45 @@ def test_fa3_backend_matches_reference():
     assert err <= 1e-2
 
 
+@pytest.mark.parametrize("hq,hkv,d", [(16, 4, 128), (9, 3, 64)])
+@pytest.mark.parametrize("density,cap", [(0.3, None), (0.1, None), (0.5, 0.25), (1.0, None)])
+def test_fa3_planned_once_serves_every_layer(hq, hkv, d, density, cap):
+    """fa3 planned once from CompactAttention.row_blocks; layers with different data (so different
+    selections) then equal the reference and, bit for bit, a fresh fa3 plan per layer."""
+    prefix, chunk = [30000 + 7, 12345, 4100], [1024, 517, 64]
+    cfg = CompactConfig(block_size=P, selector="budget", selector_params={"density": density}, min_prefix_len=0,
+                        density_cap=cap)
+    compact = [True, True, False]
+    rows = CompactAttention(cfg).row_blocks(prefix, compact)
+    layers = [gpu_batch(prefix, chunk, hq, hkv, d, seed=40 + i) for i in range(3)]
+    once = executor_for(layers[0], backend="fa3")
+    once.begin_forward_for(layers[0], row_blocks=rows)
+    assert once.mode == "fa3"
+    per_layer = executor_for(layers[0], backend="fa3")
+    assert per_layer.mode == "fa3-per-layer"
+    compact_rows = torch.tensor(compact, device=DEV)
+    for i, b in enumerate(layers):
+        cp = CompactAttention(cfg, executor=once).plan(b, layer=i, compact_rows=compact_rows, buffers=once.buffers)
+        assert cp.table.sum(-1).tolist() == [[r] * hkv for r in rows]
+        out = once.run(b, cp.plan)
+        err = rel_err(out, reference_attention(b, table=cp.table))
+        fresh = per_layer.run(b, CompactAttention(cfg).plan(b, layer=i, compact_rows=compact_rows).plan)
+        print(f"fa3 once heads={hq}/{hkv} d={d} density={density} cap={cap} layer {i}: rel_err={err:.2e} "
+              f"== per-layer plan: {torch.equal(out, fresh)}")
+        assert err <= 1e-2
+        assert torch.equal(out, fresh)
+
+
+def test_fa3_executor_runs_batches_with_an_unprefixed_request_on_fa2():
+    b = gpu_batch([9000, 0], [512, 256], 16, 4, 128, seed=11)
+    cfg = CompactConfig(block_size=P, selector="budget", min_prefix_len=0)
+    ex = executor_for(b, backend="fa3")
+    ex.begin_forward_for(b, row_blocks=CompactAttention(cfg).row_blocks(b.prefix_lens_cpu, [True, True]))
+    assert ex.mode == "fa2"
+    cp = CompactAttention(cfg, executor=ex).plan(b, buffers=ex.buffers)
+    assert rel_err(ex.run(b, cp.plan), reference_attention(b, table=cp.table)) <= 1e-2
+
+
 def test_plan_reused_across_layers_with_different_tables():
     """One begin_forward, several layers with different selections (the serving pattern)."""
     b = gpu_batch([20000, 12345], [1024, 1024], 16, 4, 128, seed=5)

@@ -23,7 +23,14 @@ chunks start at token 0, as in the replay.
 `--start hf --hf-method M` generates in-process with HF transformers and
 chunked sparse prefill (`hf_runner`): the only end-to-end path for
 `blocksparse:*` (no unions) and `quoka`; its density is measured on every
-prompt.
+prompt. `--hf-device cuda --hf-dtype bfloat16` runs it on a GPU (the dtype
+is then recorded in the row's params).
+
+Through a running server (`--url`), a compact method's density comes from
+its `/metrics` when the server has `--enable-metrics`; the offline replay
+only runs when /metrics has none (or with `--density-mode both`), and
+`--density-mode none` never runs it. `scripts/gpu/accuracy_h200.py` runs
+every method's server at once on one GPU with these functions.
 
 Start presets (`--start`): `cpu-dense` is SGLang's `torch_native` backend
 (stock `sglang.launch_server`); since that backend recomputes attention over
@@ -130,6 +137,44 @@ def selector_params(args) -> dict[str, Any]:
     return params
 
 
+def compact_server_args(selector: str, params: dict[str, Any], min_prefix_len: int, sink_blocks: int,
+                        recent_blocks: int) -> list[str]:
+    """`sglang_compact.launch_server` flags of a compact method (with `--enable-metrics`, for the density)."""
+    extra = ["--enable-metrics", "--attention-backend", "compact", "--compact-min-prefix-len", str(min_prefix_len),
+             "--compact-sink-blocks", str(sink_blocks), "--compact-recent-blocks", str(recent_blocks),
+             "--compact-selector", selector]
+    if params:
+        extra += ["--compact-selector-params", json.dumps(params)]
+    return extra
+
+
+def compact_method_params(selector: str, params: dict[str, Any], *, chunk: int, page_size: int,
+                          min_prefix_len: int, sink_blocks: int, recent_blocks: int) -> tuple[str, dict[str, Any]]:
+    """(method label, row params) of a compact server: the selector's parameters (defaults filled in) and
+    the chunking / forced-block settings."""
+    params = {} if selector == "dense" else dict(params)
+    if selector in SELECTOR_PARAM_FLAGS:
+        from sglang_compact.config import SELECTOR_PARAMS
+        name = SELECTOR_PARAM_FLAGS[selector]
+        params.setdefault(name, SELECTOR_PARAMS[selector][name][0])
+    params.update(chunk=chunk, page_size=page_size, min_prefix_len=min_prefix_len, sink_blocks=sink_blocks,
+                  recent_blocks=recent_blocks)
+    return f"compact-{selector}", params
+
+
+def hf_method_params(hf_method: str, *, chunk: int, page_size: int, min_prefix_len: int, sink_blocks: int,
+                     recent_blocks: int, dtype: str = "float32") -> tuple[str, dict[str, Any]]:
+    """(method label, row params) of an in-process HF run (`--start hf --hf-method M`)."""
+    from sglang_compact.eval.fidelity import parse_method
+    m = parse_method(hf_method)
+    name = "dense" if m.kind == "dense" else ("quoka" if m.kind == "quoka" else f"{m.kind}-{m.selector}")
+    params = {**dict(m.params), "runner": "hf", "chunk": chunk, "page_size": page_size,
+              "min_prefix_len": min_prefix_len, "sink_blocks": sink_blocks, "recent_blocks": recent_blocks}
+    if dtype != "float32":
+        params["dtype"] = dtype
+    return name, params
+
+
 def start_server(args, log_path: Path):
     from sglang_compact.eval.server import SGLangServer
     max_len = max(args.lengths)
@@ -142,46 +187,47 @@ def start_server(args, log_path: Path):
         extra = ["--attention-backend", "torch_native", "--mem-fraction-static", "0.1"]
         return SGLangServer(args.model, module="sglang.launch_server", page_size=args.page_size,
                             chunked_prefill_size=chunk, extra_args=extra + list(args.server_arg), **common)
-    extra = ["--enable-metrics", "--attention-backend", "compact", "--compact-min-prefix-len", str(args.min_prefix_len),
-             "--compact-sink-blocks", str(args.sink_blocks), "--compact-recent-blocks", str(args.recent_blocks)]
     if args.start == "cpu-compact-dense":
-        extra += ["--compact-selector", "dense"]
+        extra = compact_server_args("dense", {}, args.min_prefix_len, args.sink_blocks, args.recent_blocks)
     else:
-        extra += ["--compact-selector", args.selector]
-        params = selector_params(args)
-        if params:
-            extra += ["--compact-selector-params", json.dumps(params)]
+        extra = compact_server_args(args.selector, selector_params(args), args.min_prefix_len, args.sink_blocks,
+                                    args.recent_blocks)
     return SGLangServer(args.model, module="sglang_compact.launch_server", page_size=args.page_size,
                         chunked_prefill_size=args.chunk, extra_args=extra + list(args.server_arg), **common)
 
 
 def method_and_params(args) -> tuple[str, dict[str, Any]]:
     if args.start == "hf":
-        from sglang_compact.eval.fidelity import parse_method
-        m = parse_method(args.hf_method)
-        name = "dense" if m.kind == "dense" else ("quoka" if m.kind == "quoka" else f"{m.kind}-{m.selector}")
-        return name, {**dict(m.params), "runner": "hf", "chunk": args.chunk, "page_size": args.page_size,
-                      "min_prefix_len": args.min_prefix_len, "sink_blocks": args.sink_blocks,
-                      "recent_blocks": args.recent_blocks}
+        return hf_method_params(args.hf_method, chunk=args.chunk, page_size=args.page_size,
+                                min_prefix_len=args.min_prefix_len, sink_blocks=args.sink_blocks,
+                                recent_blocks=args.recent_blocks, dtype=getattr(args, "hf_dtype", "float32"))
     if args.start == "cpu-dense":
         return "dense", {"backend": "torch_native", "chunk": args.dense_chunk or max(args.lengths),
                          "page_size": args.page_size}
     if args.start in ("cpu-compact", "cpu-compact-dense"):
         sel = "dense" if args.start == "cpu-compact-dense" else args.selector
-        params = {} if sel == "dense" else dict(selector_params(args))
-        if sel in SELECTOR_PARAM_FLAGS:
-            from sglang_compact.config import SELECTOR_PARAMS
-            name = SELECTOR_PARAM_FLAGS[sel]
-            params.setdefault(name, SELECTOR_PARAMS[sel][name][0])
-        params.update(chunk=args.chunk, page_size=args.page_size, min_prefix_len=args.min_prefix_len,
-                      sink_blocks=args.sink_blocks, recent_blocks=args.recent_blocks)
-        return f"compact-{sel}", params
+        return compact_method_params(sel, {} if sel == "dense" else selector_params(args), chunk=args.chunk,
+                                     page_size=args.page_size, min_prefix_len=args.min_prefix_len,
+                                     sink_blocks=args.sink_blocks, recent_blocks=args.recent_blocks)
     return args.method, json.loads(args.params) if args.params else {}
 
 
 # --- accuracy -------------------------------------------------------------------------------------------
 
-def _progress(total: int, desc: str):
+class _NoProgress:
+    def update(self, k=1):
+        pass
+
+    def set_postfix_str(self, s):
+        pass
+
+    def close(self):
+        pass
+
+
+def _progress(total: int, desc: str, enabled: bool = True):
+    if not enabled:
+        return _NoProgress()
     try:
         from tqdm import tqdm
         return tqdm(total=total, desc=desc, file=sys.stderr, dynamic_ncols=True)
@@ -203,12 +249,17 @@ def _progress(total: int, desc: str):
 
 
 def run_samples(client: Client, samples: list[Sample], desc: str, flush: bool = True,
-                log_file=None) -> list[dict[str, Any]]:
-    """Greedy generation for every sample; each record has `server_density` (None when not exposed)."""
+                log_file=None, progress: bool = True, stop=None) -> list[dict[str, Any]]:
+    """Greedy generation for every sample; each record has `server_density` (None when not exposed).
+
+    `stop`: a callable checked before each sample; when it returns True the records so far are returned
+    (fewer than `samples`)."""
     out = []
-    bar = _progress(len(samples), desc)
+    bar = _progress(len(samples), desc, progress)
     try:
         for s in samples:
+            if stop is not None and stop():
+                break
             if flush:
                 client.flush_cache()  # independent samples: chunks start at 0 as in the offline replay
             before = client.density_counters()
@@ -237,17 +288,30 @@ def _keep(out: list, rec: dict, log_file, bar, s: Sample, seconds: float) -> Non
     bar.set_postfix_str(f"{s.task}@{s.length} {seconds:.1f}s score {rec['score']:.2f}")
 
 
-def run_samples_hf(args, samples: list[Sample], desc: str, log_file=None) -> tuple[list[dict[str, Any]], dict]:
-    """Greedy generation in-process with HF transformers and chunked sparse prefill (`hf_runner`)."""
+def load_hf_model(args):
+    """The HF model of `--start hf` (`--hf-dtype`, on `--hf-device`)."""
+    import torch
     from sglang_compact.eval import hf_runner as H
-    tok = load_tokenizer(args.model)
-    model = H.load_model(args.model)
+    dtype = getattr(torch, getattr(args, "hf_dtype", "float32"))
+    return H.load_model(args.model, dtype=dtype, device=getattr(args, "hf_device", None))
+
+
+def run_samples_hf(args, samples: list[Sample], desc: str, log_file=None, model=None, tok=None,
+                   progress: bool = True, stop=None) -> tuple[list[dict[str, Any]], dict]:
+    """Greedy generation in-process with HF transformers and chunked sparse prefill (`hf_runner`).
+
+    `model`/`tok`: already loaded (default: load them from `args.model`); `stop` as in `run_samples`."""
+    from sglang_compact.eval import hf_runner as H
+    tok = tok if tok is not None else load_tokenizer(args.model)
+    model = model if model is not None else load_hf_model(args)
     eos = [model.generation_config.eos_token_id] if isinstance(model.generation_config.eos_token_id, int) \
         else list(model.generation_config.eos_token_id or [])
     out, dens = [], {}
-    bar = _progress(len(samples), desc)
+    bar = _progress(len(samples), desc, progress)
     try:
         for s in samples:
+            if stop is not None and stop():
+                break
             g = H.generate(model, s.input_ids, args.hf_method, max_new_tokens=s.max_new_tokens, chunk=args.chunk,
                            page_size=args.page_size, min_prefix_len=args.min_prefix_len,
                            sink_blocks=args.sink_blocks, recent_blocks=args.recent_blocks, eos_token_ids=eos)
@@ -284,6 +348,54 @@ def offline_densities(args, samples: list[Sample], method: str, params: dict[str
     return {k: sum(v) / len(v) for k, v in by_key.items()}
 
 
+SERVER_DENSITY_SOURCE = "server /metrics (compact_density_forward after_group, every prompt)"
+HF_DENSITY_SOURCE = "hf run (measured on every prompt)"
+
+
+def cell_densities(recs: list[dict[str, Any]], key: str = "server_density") -> dict[tuple, float]:
+    """(task, length) -> mean of the records' `key` (server_density, or density for HF runs) where present."""
+    by_key: dict[tuple, list[float]] = {}
+    for r in recs:
+        if r.get(key) is not None:
+            by_key.setdefault((r["task"], r["length"]), []).append(r[key])
+    return {k: sum(v) / len(v) for k, v in by_key.items()}
+
+
+def accuracy_rows(recs: list[dict[str, Any]], *, model: str, method: str, params: dict[str, Any], device: str,
+                  tasks: Sequence[str], lengths: Sequence[int], densities: dict[tuple, float] | None = None,
+                  density_source: str | None = None, offline_densities: dict[tuple, float] | None = None,
+                  dense_selector: bool = False, date: str | None = None) -> list[dict[str, Any]]:
+    """accuracy.json rows (one per task and length with records, in length-then-task order) from scored records.
+
+    `dense_selector`: the compact pipeline with selector dense (density 1.0 by construction)."""
+    densities = densities or {}
+    offline_densities = offline_densities or {}
+    date = date or _dt.date.today().isoformat()
+    rows = []
+    for L in lengths:
+        for t in tasks:
+            rs = [r for r in recs if r["task"] == t and r["length"] == L]
+            if not rs:
+                continue
+            dens = None
+            if dense_selector:
+                dens = 1.0
+            elif (t, L) in densities:
+                dens = round(densities[(t, L)], 4)
+            rows.append({
+                "model": model, "task": t, "length": L, "method": method, "params": params, "n": len(rs),
+                "accuracy": round(100.0 * sum(r["score"] for r in rs) / len(rs), 2),
+                "density": dens, "date": date, "device": device,
+                "accuracy_all": round(100.0 * sum(r["all_found"] for r in rs) / len(rs), 2),
+                "density_source": density_source if dens is not None else None,
+                "seconds_per_sample": round(sum(r["seconds"] for r in rs) / len(rs), 2),
+                "mean_prompt_tokens": round(sum(r["num_tokens"] for r in rs) / len(rs), 1),
+            })
+            if (t, L) in offline_densities:
+                rows[-1]["density_offline"] = round(offline_densities[(t, L)], 4)
+    return rows
+
+
 def cmd_accuracy(args) -> int:
     if (args.url is None) == (args.start is None):
         sys.exit("give exactly one of --url and --start")
@@ -294,7 +406,9 @@ def cmd_accuracy(args) -> int:
     if args.start == "hf" and not args.hf_method:
         sys.exit("--start hf needs --hf-method (e.g. quoka, blocksparse:flashprefill:alpha=0.06)")
     method, params = method_and_params(args)
-    device = args.device_label or (f"cpu ({os.cpu_count()} cores)" if args.start else "unknown")
+    hf_device = getattr(args, "hf_device", None)
+    device = args.device_label or (hf_device if args.start == "hf" and hf_device not in (None, "cpu")
+                                   else f"cpu ({os.cpu_count()} cores)" if args.start else "unknown")
     stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     OUT_DIR.mkdir(parents=True, exist_ok=True)
     log_path = OUT_DIR / f"{stamp}-{method}.jsonl"
@@ -325,15 +439,12 @@ def cmd_accuracy(args) -> int:
     density_source = None
     if args.start == "hf":
         densities = hf_densities
-        density_source = "hf run (measured on every prompt)" if densities else None
+        density_source = HF_DENSITY_SOURCE if densities else None
     elif method != "dense" and method != "compact-dense":
-        by_key: dict[tuple, list[float]] = {}
-        for r in recs:
-            if r.get("server_density") is not None:
-                by_key.setdefault((r["task"], r["length"]), []).append(r["server_density"])
+        by_key = cell_densities(recs)
         if by_key:
-            densities = {k: sum(v) / len(v) for k, v in by_key.items()}
-            density_source = "server /metrics (compact_density_forward after_group, every prompt)"
+            densities = by_key
+            density_source = SERVER_DENSITY_SOURCE
         if method.startswith("compact-") and (args.density == "both" or (args.density == "offline" and not by_key)):
             offline = offline_densities(args, samples, method, params)
             src = f"offline replay ({args.density_samples} prompt(s) per task and length)"
@@ -343,30 +454,10 @@ def cmd_accuracy(args) -> int:
                 offline_by_key = offline
     elif method == "compact-dense":
         density_source = "dense selector"
-    date = _dt.date.today().isoformat()
-    model = Path(args.model).name
-    rows = []
-    for L in args.lengths:
-        for t in args.tasks:
-            rs = [r for r in recs if r["task"] == t and r["length"] == L]
-            if not rs:
-                continue
-            dens = None
-            if method == "compact-dense" and args.start != "hf":
-                dens = 1.0
-            elif (t, L) in densities:
-                dens = round(densities[(t, L)], 4)
-            rows.append({
-                "model": model, "task": t, "length": L, "method": method, "params": params, "n": len(rs),
-                "accuracy": round(100.0 * sum(r["score"] for r in rs) / len(rs), 2),
-                "density": dens, "date": date, "device": device,
-                "accuracy_all": round(100.0 * sum(r["all_found"] for r in rs) / len(rs), 2),
-                "density_source": density_source if dens is not None else None,
-                "seconds_per_sample": round(sum(r["seconds"] for r in rs) / len(rs), 2),
-                "mean_prompt_tokens": round(sum(r["num_tokens"] for r in rs) / len(rs), 1),
-            })
-            if (t, L) in offline_by_key:
-                rows[-1]["density_offline"] = round(offline_by_key[(t, L)], 4)
+    rows = accuracy_rows(recs, model=Path(args.model).name, method=method, params=params, device=device,
+                         tasks=args.tasks, lengths=args.lengths, densities=densities, density_source=density_source,
+                         offline_densities=offline_by_key,
+                         dense_selector=method == "compact-dense" and args.start != "hf")
     if args.no_write:
         print(json.dumps(rows, indent=1))
     else:
@@ -446,6 +537,9 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--n", type=int, default=5, help="samples per task and length")
     a.add_argument("--hf-method", help="with --start hf: dense | compact:SEL[:k=v,..] | blocksparse:SEL[:k=v,..] "
                    "| quoka[:query_ratio=..,kv_budget=..]")
+    a.add_argument("--hf-device", default="cpu", help="with --start hf: torch device of the model (cpu, cuda)")
+    a.add_argument("--hf-dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                   help="with --start hf: model dtype (recorded in the row's params unless float32)")
     a.add_argument("--selector", default="flashprefill")
     a.add_argument("--selector-params", help="JSON")
     a.add_argument("--alpha", type=float)

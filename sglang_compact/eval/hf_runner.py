@@ -11,6 +11,8 @@ density of every compact (layer, chunk) is recorded.
 
 Slow (the prefix pool is rebuilt per layer and chunk), but it gives accuracy
 for block-sparse-without-unions and QUOKA, which the server cannot run.
+Runs where the model is (`load_model(..., device="cuda")` for the GPU): the
+library's torch paths are device-agnostic.
 """
 
 from __future__ import annotations
@@ -56,7 +58,7 @@ def _chunked_attention(module, query, key, value, attention_mask, scaling=None, 
     v = value[0].transpose(0, 1)
     P = st.page_size
     k_pool, v_pool = head_major_pool(k[:L], P), head_major_pool(v[:L], P)
-    page_table = torch.arange(k_pool.shape[0], dtype=torch.int32)[None]
+    page_table = torch.arange(k_pool.shape[0], dtype=torch.int32, device=q.device)[None]
     scale = float(scaling if scaling is not None else q.shape[-1] ** -0.5)
     batch = ChunkBatch.build(q.contiguous(), k[L:].contiguous(), v[L:].contiguous(), k_pool, v_pool, page_table,
                              [L], [C], sm_scale=scale)
@@ -77,10 +79,14 @@ def register() -> str:
     return CHUNKED_IMPL
 
 
-def load_model(model_dir: str, dtype: torch.dtype = torch.float32):
+def load_model(model_dir: str, dtype: torch.dtype = torch.float32, device: str | torch.device | None = None):
+    """The HF model with the chunked attention registered; on `device` when given (default: where it loads, the CPU)."""
     from transformers import AutoModelForCausalLM
     register()
-    return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype, attn_implementation=CHUNKED_IMPL).eval()
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype, attn_implementation=CHUNKED_IMPL)
+    if device is not None:
+        model = model.to(device)
+    return model.eval()
 
 
 @dataclass
@@ -104,13 +110,14 @@ def generate(model, input_ids: Sequence[int], method: Method | str, *, max_new_t
     cfg = m.config(page_size, sink_blocks, recent_blocks, min_prefix_len)
     engine = CompactAttention(cfg) if m.kind in ("compact", "blocksparse") else None
     _STATE = _State(m, page_size, min_prefix_len, sink_blocks, recent_blocks, cfg, engine)
+    dev = next(model.parameters()).device
     t0 = time.monotonic()
     try:
         cache = DynamicCache()
         ids = list(input_ids)
         logits = None
         for s in range(0, len(ids), chunk):
-            x = torch.tensor([ids[s:s + chunk]], dtype=torch.long)
+            x = torch.tensor([ids[s:s + chunk]], dtype=torch.long, device=dev)
             logits = model(input_ids=x, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[0, -1]
         out: list[int] = []
         eos = set(int(e) for e in eos_token_ids)
@@ -119,7 +126,7 @@ def generate(model, input_ids: Sequence[int], method: Method | str, *, max_new_t
             out.append(nxt)
             if nxt in eos:
                 break
-            logits = model(input_ids=torch.tensor([[nxt]]), past_key_values=cache, use_cache=True,
+            logits = model(input_ids=torch.tensor([[nxt]], device=dev), past_key_values=cache, use_cache=True,
                            logits_to_keep=1).logits[0, -1]
         d = _STATE.densities
         return Generation(out, sum(d) / len(d) if d else None, time.monotonic() - t0)

@@ -26,6 +26,11 @@ CPU flags (``BASE_ARGS``): ``--device cpu --attention-backend torch_native``
 ``--disable-cuda-graph --skip-server-warmup``, ``--sampling-backend pytorch``,
 and a small ``--max-total-tokens`` / ``--max-running-requests`` to keep the KV
 pool and req_to_token small.
+
+``device="cuda"`` drops the CPU flags and the CPU environment (no shim):
+SGLang's own GPU defaults plus the arguments given (used by
+``scripts/gpu/accuracy_h200.py``); ``max_total_tokens=None`` leaves the KV
+pool size to SGLang (``--mem-fraction-static``).
 """
 
 from __future__ import annotations
@@ -63,6 +68,8 @@ SERVER_ENV = {
     "HF_HUB_OFFLINE": "1",
     "TRANSFORMERS_OFFLINE": "1",
 }
+# the part of SERVER_ENV that is not about the CPU (device="cuda")
+CPU_ONLY_ENV = ("SGLANG_USE_CPU_ENGINE", "TRITON_INTERPRET", "SGLANG_COMPACT_CPU_SHIM")
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -98,7 +105,7 @@ class ServerError(RuntimeError):
 
 
 class SGLangServer:
-    """A real SGLang server subprocess on the CPU (context manager)."""
+    """A real SGLang server subprocess (context manager); on the CPU unless ``device="cuda"``."""
 
     def __init__(
         self,
@@ -108,7 +115,7 @@ class SGLangServer:
         page_size: Optional[int] = None,
         chunked_prefill_size: Optional[int] = None,
         dtype: str = "float32",
-        max_total_tokens: int = 8192,
+        max_total_tokens: Optional[int] = 8192,
         max_running_requests: int = 8,
         module: str = "sglang.launch_server",
         host: str = "127.0.0.1",
@@ -118,6 +125,7 @@ class SGLangServer:
         start_timeout: float = 240.0,
         request_timeout: float = 600.0,
         require_cpu_shim: bool = True,
+        device: str = "cpu",
     ):
         self.model_path = str(model_path)
         self.host = host
@@ -126,16 +134,22 @@ class SGLangServer:
         self.module = module
         self.start_timeout = start_timeout
         self.request_timeout = request_timeout
-        self.require_cpu_shim = require_cpu_shim
+        if device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
+        self.device = device
+        cpu = device == "cpu"
+        self.require_cpu_shim = require_cpu_shim and cpu
         args = [
             "--model-path", self.model_path,
             "--host", host,
             "--port", str(self.port),
             "--dtype", dtype,
-            "--max-total-tokens", str(max_total_tokens),
-            "--max-running-requests", str(max_running_requests),
-            *BASE_ARGS,
         ]
+        if max_total_tokens is not None:
+            args += ["--max-total-tokens", str(max_total_tokens)]
+        args += ["--max-running-requests", str(max_running_requests)]
+        if cpu:
+            args += BASE_ARGS
         if page_size is not None:
             args += ["--page-size", str(page_size)]
         if chunked_prefill_size is not None:
@@ -143,7 +157,7 @@ class SGLangServer:
         args += list(extra_args)
         self.args = args
         self.env = dict(os.environ)
-        self.env.update(SERVER_ENV)
+        self.env.update(SERVER_ENV if cpu else {k: v for k, v in SERVER_ENV.items() if k not in CPU_ONLY_ENV})
         if env:
             self.env.update(env)
         if log_path is None:

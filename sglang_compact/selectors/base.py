@@ -7,14 +7,16 @@ keys, or page summaries) and returns a block mask
 
 with False everywhere outside a request's valid (query block, prefix block)
 cells. Query blocks have the KV block size. Scoring selectors also return
-`scores` float [B, H_q, NQ, NKV] (higher = more important) which the density
+`scores` float [B, H_q, NQ, NKV] (or [B, H_kv, NQ, NKV], already reduced over each
+group's heads, as `budget` does; higher = more important) which the density
 cap ranks by.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
@@ -41,6 +43,16 @@ class Selector:
 
     def __init__(self, config: CompactConfig):
         self.config = config
+
+    def row_blocks(self, n_blocks: Sequence[int]) -> list[int] | None:
+        """Blocks every (request, kv head) row reads after the unions (forced blocks
+        included), per request, when the selector fixes that number without looking at
+        the data; None when it depends on the scores (threshold selectors).
+
+        Args:
+            n_blocks: prefix blocks n_b of each request on the compact path.
+        """
+        return None
 
     def select(self, batch: ChunkBatch, layer: int = 0, pooled_keys: torch.Tensor | None = None) -> Selection:
         """Args:
@@ -94,14 +106,15 @@ def pooled_keys_from_pool(batch: ChunkBatch) -> torch.Tensor:
 
 
 def pooled_block_scores(batch: ChunkBatch, pooled_keys: torch.Tensor, q_block: int,
-                        use_triton: bool | None = None) -> torch.Tensor:
+                        use_triton: bool | None = None, group_max: bool = False) -> torch.Tensor:
     """FlashPrefill-style block scores against pooled keys (see `kernels/flashprefill_naive.py`).
 
     s[t, j] = q_t . kbar_j * scale, softmax over the valid prefix blocks j,
     then the max over the queries t of each query block.
 
     Returns:
-        float32 [B, H_q, NQ, NKV]; 0 outside valid cells.
+        float32 [B, H_q, NQ, NKV] ([B, H_kv, NQ, NKV], the max over each group's heads, with
+        `group_max`); 0 outside valid cells.
     Runs the Triton kernel on CUDA (or when `use_triton`), else the torch reference.
     """
     if use_triton is None:
@@ -111,7 +124,7 @@ def pooled_block_scores(batch: ChunkBatch, pooled_keys: torch.Tensor, q_block: i
         use_triton = False  # the kernel tiles head_dim as one power-of-two block
     impl = flashprefill_kernel.block_scores if use_triton else flashprefill_naive.block_scores
     return impl(batch.q, batch.cu_chunk, batch.chunk_lens_cpu, pooled_keys, batch.kv_blocks(), batch.sm_scale,
-                q_block, batch.max_q_blocks(q_block))
+                q_block, batch.max_q_blocks(q_block), group_max=group_max)
 
 
 def threshold_rows(scores: torch.Tensor, valid: torch.Tensor, alpha: float) -> torch.Tensor:
@@ -146,12 +159,52 @@ def top_k_rows(scores: torch.Tensor, valid: torch.Tensor, k: torch.Tensor) -> to
     return (rank < k) & valid
 
 
+def forced_count(n_blocks: int, sink_blocks: int, recent_blocks: int) -> int:
+    """Number of forced (sink or recent) blocks of a prefix of n_blocks blocks."""
+    return min(n_blocks, sink_blocks + recent_blocks)
+
+
+def row_budget(n_blocks: int, fraction: float, min_keep: int) -> int:
+    """The k of `top_row_blocks` for one request, on the host (same rounding)."""
+    return max(math.ceil(n_blocks * fraction - 1e-9), min_keep)
+
+
+def top_blocks_per_row(row_scores: torch.Tensor, kv_blocks: torch.Tensor, max_blocks: int, fraction: float,
+                       sink_blocks: int, recent_blocks: int) -> torch.Tensor:
+    """The `budget` ranking: keep min(n_b, max(ceil(fraction * n_b), 1, forced)) blocks of each
+    (request b, kv head) row, the forced (sink / recent) blocks first, then the best-scoring ones
+    (equal scores in any order). `row_budget` / `forced_count` are its host twins.
+
+    Args:
+        row_scores: float [B, H_kv, NKV]; kv_blocks: int [B] (device); max_blocks: host bound on
+            every row's count (max over the batch of n_b suffices).
+    Returns:
+        bool [B, H_kv, NKV]
+    """
+    B, H, NKV = row_scores.shape
+    dev = row_scores.device
+    j = torch.arange(NKV, device=dev)
+    n = kv_blocks.to(torch.long)[:, None]
+    valid = j < n                                                     # [B, NKV]
+    forced = valid & ((j < sink_blocks) | (j >= n - recent_blocks))
+    ranked = torch.where(forced[:, None], float("inf"),
+                         torch.where(valid[:, None], row_scores.to(torch.float32), float("-inf")))
+    k = torch.ceil(n.to(torch.float64) * fraction - 1e-9).to(torch.long).clamp(min=1)
+    k = torch.minimum(torch.maximum(k, forced.sum(-1, keepdim=True)), n)  # [B, 1]
+    k_max = min(max_blocks, NKV)
+    if k_max <= 0:
+        return torch.zeros(B, H, NKV, dtype=torch.bool, device=dev)
+    top = ranked.topk(k_max, dim=-1).indices                          # [B, H, k_max], best first
+    keep = (torch.arange(k_max, device=dev)[None, None, :] < k[:, :, None]).expand(B, H, k_max)
+    return torch.zeros(B, H, NKV, dtype=torch.bool, device=dev).scatter_(-1, top, keep)
+
+
 def top_row_blocks(scores: torch.Tensor, valid: torch.Tensor, kv_blocks: torch.Tensor, forced: torch.Tensor,
                    fraction: float, min_keep: torch.Tensor | int) -> torch.Tensor:
     """Keep ceil(fraction * n_b) blocks (at least `min_keep`) of each (request, kv head) row.
 
     Blocks are ranked by their best score over the row's query heads and query
-    blocks, forced blocks first. Used by the `budget` selector and the density cap.
+    blocks, forced blocks first. Used by the density cap.
 
     Args:
         scores: float [B, H_q, NQ, NKV]; valid: bool [B, H_kv, NKV] cells that may be kept;
@@ -160,9 +213,9 @@ def top_row_blocks(scores: torch.Tensor, valid: torch.Tensor, kv_blocks: torch.T
         bool [B, H_kv, NKV]
     """
     B, H_kv, NKV = valid.shape
-    row = scores.reshape(B, H_kv, -1, NKV).amax(dim=2).to(torch.float64)
+    row = scores.reshape(B, H_kv, scores.shape[1] // H_kv * scores.shape[2], NKV).amax(dim=2).to(torch.float64)
     row = row.masked_fill(forced[:, None, :], float("inf"))
-    # the epsilon keeps 0.3 * 10 at 3 blocks, not 4
+    # the epsilon keeps 0.3 * 10 at 3 blocks, not 4 (`row_budget` is the host twin)
     k = torch.ceil(kv_blocks.to(torch.float64) * fraction - 1e-9).to(torch.long)
     k = torch.maximum(k, torch.as_tensor(min_keep, device=k.device))
     return top_k_rows(row, valid, k[:, None, None])

@@ -9,24 +9,29 @@ density); `CompactConfig.density_cap` ranks the same way.
 
 from __future__ import annotations
 
-from sglang_compact.kernels.union_naive import forced_blocks
-from sglang_compact.selectors.base import (Selection, Selector, pooled_block_scores, pooled_keys_from_pool,
-                                           register_selector, top_row_blocks, valid_cells)
+from sglang_compact.selectors.base import (Selection, Selector, forced_count, pooled_block_scores,
+                                           pooled_keys_from_pool, register_selector, row_budget,
+                                           top_blocks_per_row, valid_cells)
 
 
 @register_selector("budget")
 class BudgetSelector(Selector):
     uses_summaries = True
 
+    def row_blocks(self, n_blocks):
+        cfg = self.config
+        # top_row_blocks keeps min(k, n) blocks, forced ones first; the union then adds any forced rest
+        return [min(n, max(row_budget(n, cfg.param("density"), 1), forced_count(n, cfg.sink_blocks,
+                                                                               cfg.recent_blocks)))
+                for n in n_blocks]
+
     def select(self, batch, layer=0, pooled_keys=None):
         cfg = self.config
         bs = cfg.block_size
         if pooled_keys is None:
             pooled_keys = pooled_keys_from_pool(batch)
-        scores = pooled_block_scores(batch, pooled_keys, bs)  # [B, H_q, NQ, NKV]
-        kv_blocks = batch.kv_blocks()
-        forced = forced_blocks(kv_blocks, scores.shape[-1], cfg.sink_blocks, cfg.recent_blocks)
-        valid = batch.kv_block_valid()[:, None, :].expand(-1, batch.num_kv_heads, -1)
-        rows = top_row_blocks(scores, valid, kv_blocks, forced, cfg.param("density"), min_keep=1)
+        scores = pooled_block_scores(batch, pooled_keys, bs, group_max=True)  # [B, H_kv, NQ, NKV]
+        rows = top_blocks_per_row(scores.amax(dim=2), batch.kv_blocks(), max(batch.kv_blocks_cpu(), default=0),
+                                  cfg.param("density"), cfg.sink_blocks, cfg.recent_blocks)
         mask = rows.repeat_interleave(batch.group_size, dim=1)[:, :, None, :] & valid_cells(batch, bs)
         return Selection(mask.contiguous(), scores)

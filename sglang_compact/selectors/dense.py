@@ -7,6 +7,9 @@ from sglang_compact.selectors.base import Selection, Selector, register_selector
 
 @register_selector("dense")
 class DenseSelector(Selector):
+    def row_blocks(self, n_blocks):
+        return list(n_blocks)
+
     def select(self, batch, layer=0, pooled_keys=None):
         bs = self.config.block_size
         valid = valid_cells(batch, bs)

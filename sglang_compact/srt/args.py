@@ -11,7 +11,7 @@ import argparse
 import json
 from typing import Sequence
 
-from sglang_compact.config import SELECTOR_NAMES, SELECTOR_PARAMS, CompactConfig
+from sglang_compact.config import PREFILL_KERNELS, SELECTOR_NAMES, SELECTOR_PARAMS, CompactConfig
 
 BACKEND_NAME = "compact"
 
@@ -32,6 +32,10 @@ def add_compact_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--compact-min-prefix-len", type=int, default=CompactConfig.min_prefix_len,
                    help="cached-prefix tokens from which a chunk takes the compact path")
     g.add_argument("--compact-density-cap", type=float, default=None)
+    g.add_argument("--compact-prefill-kernel", default=CompactConfig.prefill_kernel,
+                   help=f"FlashInfer backend of the sparse prefix attention on CUDA, one of "
+                        f"{', '.join(PREFILL_KERNELS)} (auto: fa3 on Hopper for selectors that fix the row "
+                        "lengths, e.g. budget; else fa2)")
     g.add_argument("--compact-block-size", type=int, default=None,
                    help="must equal --page-size if given (a block is one KV page)")
 
@@ -63,4 +67,5 @@ def build_config(ns: argparse.Namespace, page_size: int) -> CompactConfig:
         params["density"] = ns.compact_density
     return CompactConfig(block_size=page_size, selector=ns.compact_selector, selector_params=params,
                          sink_blocks=ns.compact_sink_blocks, recent_blocks=ns.compact_recent_blocks,
-                         min_prefix_len=ns.compact_min_prefix_len, density_cap=ns.compact_density_cap)
+                         min_prefix_len=ns.compact_min_prefix_len, density_cap=ns.compact_density_cap,
+                         prefill_kernel=ns.compact_prefill_kernel)

@@ -75,6 +75,25 @@ def check_model_supported(model_runner: "ModelRunner", head_dim: int) -> None:
                                     f"(FlashInfer), the model has {head_dim}")
 
 
+def resolve_prefill_kernel(config: CompactConfig, compact: CompactAttention, device: torch.device,
+                           dtype: torch.dtype) -> str:
+    """The FlashInfer backend ("fa2" / "fa3") of the paged prefix attention for `config.prefill_kernel`."""
+    hopper = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
+    fixed_rows = compact.selector.row_blocks([1]) is not None
+    if config.prefill_kernel == "auto":
+        return "fa3" if hopper and fixed_rows and config.selector != "dense" and dtype != torch.float32 else "fa2"
+    if config.prefill_kernel == "fa3":
+        if not hopper:
+            raise UnsupportedModelError("--compact-prefill-kernel fa3 needs a Hopper (sm90) GPU")
+        if dtype == torch.float32:
+            raise UnsupportedModelError("--compact-prefill-kernel fa3 needs a bf16 or fp16 KV cache")
+        if not fixed_rows:
+            logger.warning("compact: prefill kernel fa3 with selector %r plans every layer from host copies of the "
+                           "row lengths (a device->host sync per layer); fa2 plans once per forward pass",
+                           config.selector)
+    return config.prefill_kernel
+
+
 def check_attention_layers(model: torch.nn.Module, num_kv_heads: int, head_dim: int) -> tuple[int, float]:
     """Refuse models whose attention layers the compact path cannot compute exactly.
 
@@ -147,8 +166,10 @@ class CompactAttnBackend(AttentionBackend):
         self.forward_metadata = None
         if self.is_cuda:
             self._init_cuda(model_runner)
-        logger.info("compact attention: %s, page size %d, %d kv heads x %d, summaries %s", self.config,
-                    self.page_size, self.num_kv_heads, self.head_dim, "on" if self.summaries is not None else "off")
+        logger.info("compact attention: %s, page size %d, %d kv heads x %d, summaries %s, prefill kernel %s",
+                    self.config, self.page_size, self.num_kv_heads, self.head_dim,
+                    "on" if self.summaries is not None else "off",
+                    self.executor.backend if self.is_cuda else "torch")
 
     # --- CUDA resources -----------------------------------------------------------------
     def _init_cuda(self, model_runner):
@@ -156,7 +177,8 @@ class CompactAttnBackend(AttentionBackend):
         max_reqs = model_runner.req_to_token_pool.size
         max_rows = max_reqs * self.num_kv_heads
         max_indices = min(self.pool.num_pages * max_reqs, self.max_pages_per_req * max_reqs) * self.num_kv_heads
-        self.executor = FlashInferExecutor(self.device, max_rows=max_rows, max_indices=max_indices)
+        kernel = resolve_prefill_kernel(self.config, self.compact, self.device, self.pool.dtype)
+        self.executor = FlashInferExecutor(self.device, max_rows=max_rows, max_indices=max_indices, backend=kernel)
         self.compact.executor = self.executor
         self.decode_workspace = torch.empty(128 * 1024 * 1024, dtype=torch.uint8, device=self.device)
         self.decode_wrapper = None
@@ -215,8 +237,9 @@ class CompactAttnBackend(AttentionBackend):
         compact_cpu = [self.config.uses_compact_path(L) and C > 1 for L, C in zip(prefix, chunk)]
         template = self._template(fb, prefix, chunk)
         if self.is_cuda:
+            rows = self.compact.row_blocks(prefix, compact_cpu) if self.executor.backend == "fa3" else None
             self.executor.begin_forward(prefix, chunk, self.num_q_heads, self.num_kv_heads,
-                                        self.head_dim, self.page_size, self.pool.dtype, self.sm_scale)
+                                        self.head_dim, self.page_size, self.pool.dtype, self.sm_scale, rows)
         compact_rows = torch.tensor(compact_cpu).to(self.device, non_blocking=True)
         self.telemetry.begin_forward(prefix, chunk, compact_cpu)
         return ExtendMetadata(template, compact_rows, any(compact_cpu), any_prefix)
