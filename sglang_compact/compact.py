@@ -8,17 +8,16 @@ the dense fallback for short prefixes).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
-
-from typing import Sequence
 
 from sglang_compact.batch import ChunkBatch, cdiv
 from sglang_compact.config import CompactConfig
 from sglang_compact.plan import PagedPlan, PlanBuffers, build_plan
 from sglang_compact.selectors import Selection, make_selector
-from sglang_compact.selectors.base import forced_count, row_budget, top_row_blocks, valid_cells
-from sglang_compact.union import UnionStats, forced_blocks, union_stats, union_table
+from sglang_compact.selectors.base import forced_count, row_budget, top_blocks_per_row, valid_cells
+from sglang_compact.union import UnionStats, union_stats, union_table
 
 
 @dataclass
@@ -35,17 +34,19 @@ class ChunkPlan:
     stats: UnionStats
 
 
-def apply_density_cap(table: torch.Tensor, scores: torch.Tensor, kv_blocks: torch.Tensor, forced: torch.Tensor,
-                      cap: float) -> torch.Tensor:
-    """Limit each row of the table to ceil(cap * n_b) blocks (never dropping forced blocks).
+def apply_density_cap(table: torch.Tensor, scores: torch.Tensor, kv_blocks: torch.Tensor, cap: float,
+                      sink_blocks: int, recent_blocks: int, max_blocks: int) -> torch.Tensor:
+    """Limit each row of the table to max(ceil(cap * n_b), forced) blocks (never dropping forced blocks).
 
     Blocks are ranked by their best score over the row's query heads and query blocks.
 
     Args:
-        table: bool [B, H_kv, NKV]; scores: float [B, H_q, NQ, NKV];
-        kv_blocks: int [B]; forced: bool [B, NKV].
+        table: bool [B, H_kv, NKV]; scores: float [B, H_q or H_kv, NQ, NKV]; kv_blocks: int [B];
+        max_blocks: host bound on n_b.
     """
-    return top_row_blocks(scores, table, kv_blocks, forced, cap, min_keep=forced.sum(-1))
+    B, H_kv, NKV = table.shape
+    row = scores.reshape(B, H_kv, scores.shape[1] // H_kv * scores.shape[2], NKV).amax(dim=2)
+    return top_blocks_per_row(row, kv_blocks, max_blocks, cap, sink_blocks, recent_blocks, allowed=table)
 
 
 class CompactAttention:
@@ -108,8 +109,8 @@ class CompactAttention:
         kv_blocks = batch.kv_blocks()
         table, counts = union_table(sel.mask, batch.num_kv_heads, kv_blocks, cfg.sink_blocks, cfg.recent_blocks)
         if cfg.density_cap is not None and sel.scores is not None:
-            forced = forced_blocks(kv_blocks, table.shape[-1], cfg.sink_blocks, cfg.recent_blocks)
-            capped = apply_density_cap(table, sel.scores, kv_blocks, forced, cfg.density_cap)
+            capped = apply_density_cap(table, sel.scores, kv_blocks, cfg.density_cap, cfg.sink_blocks,
+                                       cfg.recent_blocks, max(batch.kv_blocks_cpu(), default=0))
             if compact_rows is not None:
                 capped = torch.where(compact_rows[:, None, None], capped, table)
             table = capped

@@ -115,8 +115,7 @@ def test_density_cap_limits_rows_and_keeps_forced_blocks():
 def test_apply_density_cap_ranks_by_best_score():
     table = torch.ones(1, 1, 6, dtype=torch.bool)
     scores = torch.tensor([0.1, 0.9, 0.2, 0.8, 0.3, 0.0]).reshape(1, 1, 1, 6)
-    forced = torch.tensor([[False, False, False, False, False, True]])
-    t = apply_density_cap(table, scores, torch.tensor([6]), forced, 0.5)
+    t = apply_density_cap(table, scores, torch.tensor([6]), 0.5, sink_blocks=0, recent_blocks=1, max_blocks=6)
     assert t[0, 0].tolist() == [False, True, False, True, False, True]
 
 

@@ -150,34 +150,27 @@ def top_p_rows(mass: torch.Tensor, valid: torch.Tensor, p: float) -> torch.Tenso
     return keep & valid
 
 
-def top_k_rows(scores: torch.Tensor, valid: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """Keep the k best-scoring valid cells of each row (last dim); k broadcasts against
-    scores[..., :1] (ties broken towards lower index)."""
-    s = scores.to(torch.float64).masked_fill(~valid, NEG_INF)
-    order = torch.argsort(s, dim=-1, descending=True, stable=True)
-    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(s.shape[-1], device=s.device).expand_as(order))
-    return (rank < k) & valid
-
-
 def forced_count(n_blocks: int, sink_blocks: int, recent_blocks: int) -> int:
     """Number of forced (sink or recent) blocks of a prefix of n_blocks blocks."""
     return min(n_blocks, sink_blocks + recent_blocks)
 
 
 def row_budget(n_blocks: int, fraction: float, min_keep: int) -> int:
-    """The k of `top_row_blocks` for one request, on the host (same rounding)."""
+    """The k of `top_blocks_per_row` for one request, on the host (same rounding)."""
     return max(math.ceil(n_blocks * fraction - 1e-9), min_keep)
 
 
 def top_blocks_per_row(row_scores: torch.Tensor, kv_blocks: torch.Tensor, max_blocks: int, fraction: float,
-                       sink_blocks: int, recent_blocks: int) -> torch.Tensor:
-    """The `budget` ranking: keep min(n_b, max(ceil(fraction * n_b), 1, forced)) blocks of each
-    (request b, kv head) row, the forced (sink / recent) blocks first, then the best-scoring ones
-    (equal scores in any order). `row_budget` / `forced_count` are its host twins.
+                       sink_blocks: int, recent_blocks: int, allowed: torch.Tensor | None = None) -> torch.Tensor:
+    """Keep min(n_b, max(ceil(fraction * n_b), 1, forced)) blocks of each (request b, kv head) row:
+    the forced (sink / recent) blocks first, then the best-scoring ones (equal scores in any order).
+    The `budget` selector's ranking, and the density cap's (with `allowed` = the union table, of
+    which at most that many cells survive). `row_budget` / `forced_count` are its host twins.
 
     Args:
         row_scores: float [B, H_kv, NKV]; kv_blocks: int [B] (device); max_blocks: host bound on
-            every row's count (max over the batch of n_b suffices).
+            every row's count (max over the batch of n_b suffices); allowed: bool [B, H_kv, NKV]
+            cells that may be kept (default every valid prefix block).
     Returns:
         bool [B, H_kv, NKV]
     """
@@ -187,8 +180,10 @@ def top_blocks_per_row(row_scores: torch.Tensor, kv_blocks: torch.Tensor, max_bl
     n = kv_blocks.to(torch.long)[:, None]
     valid = j < n                                                     # [B, NKV]
     forced = valid & ((j < sink_blocks) | (j >= n - recent_blocks))
+    keepable = valid[:, None] if allowed is None else valid[:, None] & allowed
     ranked = torch.where(forced[:, None], float("inf"),
-                         torch.where(valid[:, None], row_scores.to(torch.float32), float("-inf")))
+                         torch.where(keepable, row_scores.to(torch.float32), float("-inf")))
+    # the epsilon keeps 0.3 * 10 at 3 blocks, not 4
     k = torch.ceil(n.to(torch.float64) * fraction - 1e-9).to(torch.long).clamp(min=1)
     k = torch.minimum(torch.maximum(k, forced.sum(-1, keepdim=True)), n)  # [B, 1]
     k_max = min(max_blocks, NKV)
@@ -196,26 +191,5 @@ def top_blocks_per_row(row_scores: torch.Tensor, kv_blocks: torch.Tensor, max_bl
         return torch.zeros(B, H, NKV, dtype=torch.bool, device=dev)
     top = ranked.topk(k_max, dim=-1).indices                          # [B, H, k_max], best first
     keep = (torch.arange(k_max, device=dev)[None, None, :] < k[:, :, None]).expand(B, H, k_max)
-    return torch.zeros(B, H, NKV, dtype=torch.bool, device=dev).scatter_(-1, top, keep)
-
-
-def top_row_blocks(scores: torch.Tensor, valid: torch.Tensor, kv_blocks: torch.Tensor, forced: torch.Tensor,
-                   fraction: float, min_keep: torch.Tensor | int) -> torch.Tensor:
-    """Keep ceil(fraction * n_b) blocks (at least `min_keep`) of each (request, kv head) row.
-
-    Blocks are ranked by their best score over the row's query heads and query
-    blocks, forced blocks first. Used by the density cap.
-
-    Args:
-        scores: float [B, H_q, NQ, NKV]; valid: bool [B, H_kv, NKV] cells that may be kept;
-        kv_blocks: int [B]; forced: bool [B, NKV]; min_keep: int or int [B].
-    Returns:
-        bool [B, H_kv, NKV]
-    """
-    B, H_kv, NKV = valid.shape
-    row = scores.reshape(B, H_kv, scores.shape[1] // H_kv * scores.shape[2], NKV).amax(dim=2).to(torch.float64)
-    row = row.masked_fill(forced[:, None, :], float("inf"))
-    # the epsilon keeps 0.3 * 10 at 3 blocks, not 4 (`row_budget` is the host twin)
-    k = torch.ceil(kv_blocks.to(torch.float64) * fraction - 1e-9).to(torch.long)
-    k = torch.maximum(k, torch.as_tensor(min_keep, device=k.device))
-    return top_k_rows(row, valid, k[:, None, None])
+    out = torch.zeros(B, H, NKV, dtype=torch.bool, device=dev).scatter_(-1, top, keep)
+    return out if allowed is None else out & allowed

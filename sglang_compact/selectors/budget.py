@@ -20,7 +20,7 @@ class BudgetSelector(Selector):
 
     def row_blocks(self, n_blocks):
         cfg = self.config
-        # top_row_blocks keeps min(k, n) blocks, forced ones first; the union then adds any forced rest
+        # the count top_blocks_per_row keeps (forced blocks included)
         return [min(n, max(row_budget(n, cfg.param("density"), 1), forced_count(n, cfg.sink_blocks,
                                                                                cfg.recent_blocks)))
                 for n in n_blocks]
