@@ -26,7 +26,7 @@ import triton.language as tl
 def _block_scores_kernel(q, cu_chunk, pooled, kv_blocks, out,
                          stride_qt, stride_qh, H_q, H_kv, NKV, NQ, sm_scale,
                          G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BQ: tl.constexpr, BN: tl.constexpr,
-                         GROUP_MAX: tl.constexpr):
+                         GROUP_MAX: tl.constexpr, QS: tl.constexpr, BQS: tl.constexpr):
     pid_bg = tl.program_id(0)
     i = tl.program_id(1)
     b = pid_bg // H_kv
@@ -34,10 +34,10 @@ def _block_scores_kernel(q, cu_chunk, pooled, kv_blocks, out,
     start = tl.load(cu_chunk + b)
     C = tl.load(cu_chunk + b + 1) - start
     n_b = tl.load(kv_blocks + b)
-    # tile rows r = hp * BQ + t: query head g * G + hp, token i * BQ + t (hp < GP, padded heads masked)
-    offs_r = tl.arange(0, GP * BQ)
-    hp = offs_r // BQ
-    offs_t = i * BQ + offs_r % BQ
+    # tile rows r = hp * BQS + u: query head g * G + hp, token i * BQ + u * QS (hp < GP, padded heads masked)
+    offs_r = tl.arange(0, GP * BQS)
+    hp = offs_r // BQS
+    offs_t = i * BQ + (offs_r % BQS) * QS
     r_ok = (hp < G) & (offs_t < C)
     h = g * G + hp
     offs_d = tl.arange(0, D)
@@ -46,8 +46,8 @@ def _block_scores_kernel(q, cu_chunk, pooled, kv_blocks, out,
     k_base = pooled + (b.to(tl.int64) * NKV * H_kv + g) * D
     qk_scale = sm_scale * 1.4426950408889634  # logits in base 2: exp2 is the native instruction
     # pass 1: per-query max and denominator over the valid prefix blocks
-    m = tl.full([GP * BQ], float("-inf"), tl.float32)
-    l = tl.zeros([GP * BQ], tl.float32)
+    m = tl.full([GP * BQS], float("-inf"), tl.float32)
+    l = tl.zeros([GP * BQS], tl.float32)
     n_iter = tl.where((i * BQ < C) & (n_b > 0), n_b, 0)
     for j0 in range(0, n_iter, BN):
         offs_j = j0 + tl.arange(0, BN)
@@ -77,7 +77,7 @@ def _block_scores_kernel(q, cu_chunk, pooled, kv_blocks, out,
             s = tl.dot(qv, tl.trans(k)) * qk_scale
             p = tl.exp2(s - m[:, None]) * inv_l[:, None]
             p = tl.where(r_ok[:, None] & j_ok[None, :], p, 0.0)
-            score = tl.max(tl.reshape(p, [GP, BQ, BN]), axis=1)
+            score = tl.max(tl.reshape(p, [GP, BQS, BN]), axis=1)
         if GROUP_MAX:
             tl.store(out_row + offs_j, tl.max(score, axis=0), mask=offs_j < NKV)
         else:
@@ -94,13 +94,16 @@ def launch_config(rows: int, NKV: int, group_max: bool) -> dict:
 
 def block_scores(q: torch.Tensor, cu_chunk: torch.Tensor, chunk_lens_cpu, pooled_keys: torch.Tensor,
                  kv_blocks: torch.Tensor, sm_scale: float, q_block: int, n_q_blocks: int,
-                 group_max: bool = False, config: dict | None = None) -> torch.Tensor:
+                 group_max: bool = False, config: dict | None = None, query_stride: int = 1) -> torch.Tensor:
     """Same contract as `flashprefill_naive.block_scores` (`config` overrides `launch_config`)."""
     B, NKV, H_kv, D = pooled_keys.shape
     T, H_q, Dq = q.shape
     if Dq != D or D & (D - 1) or D < 16 or q_block < 16:
         raise ValueError(f"block_scores kernel needs a power-of-two head_dim >= 16 and q_block >= 16 "
                          f"(head_dim {D}, q_block {q_block})")
+    if query_stride < 1 or query_stride & (query_stride - 1) or q_block % query_stride or q_block // query_stride < 16:
+        raise ValueError(f"block_scores kernel: query_stride {query_stride} must be a power of two leaving >= 16 "
+                         f"queries of each {q_block}-query block")
     if H_q % H_kv:
         raise ValueError(f"block_scores kernel: {H_q} query heads are not a multiple of {H_kv} kv heads")
     out = torch.empty(B, H_kv if group_max else H_q, n_q_blocks, NKV, dtype=torch.float32, device=q.device)
@@ -111,10 +114,11 @@ def block_scores(q: torch.Tensor, cu_chunk: torch.Tensor, chunk_lens_cpu, pooled
     pooled = pooled_keys.to(q.dtype).contiguous()
     G = H_q // H_kv
     GP = triton.next_power_of_2(G)
-    cfg = launch_config(GP * q_block, NKV, group_max) if config is None else config
+    cfg = launch_config(GP * q_block // query_stride, NKV, group_max) if config is None else config
     _block_scores_kernel[(B * H_kv, n_q_blocks)](
         q, cu_chunk.to(torch.int32), pooled, kv_blocks.to(torch.int32), out,
         q.stride(0), q.stride(1), H_q, H_kv, NKV, n_q_blocks, float(sm_scale),
-        G=G, GP=GP, D=D, BQ=q_block, BN=cfg["BN"], GROUP_MAX=group_max,
+        G=G, GP=GP, D=D, BQ=q_block, BN=cfg["BN"], GROUP_MAX=group_max, QS=query_stride,
+        BQS=q_block // query_stride,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out

@@ -313,11 +313,11 @@ def select_methods(spec: str, budgets: list[float], fi_usable: bool) -> list[Met
 
 def selector_config(args, m: Method) -> CompactConfig:
     if m.selector == "flashprefill":
-        params = {"alpha": args.alpha}
+        params = {"alpha": args.alpha, "query_stride": args.query_stride}
     elif m.selector == "xattention":
         params = {"threshold": args.xattn_threshold, "stride": args.xattn_stride}
     else:
-        params = {"density": m.fixed_density}
+        params = {"density": m.fixed_density, "query_stride": args.query_stride}
     return CompactConfig(block_size=args.page_size, selector=m.selector, selector_params=params,
                          sink_blocks=args.sink_blocks, recent_blocks=args.recent_blocks, min_prefix_len=0)
 
@@ -949,6 +949,8 @@ def parse_args(argv=None):
     p.add_argument("--methods", default=DEFAULT_METHODS, help=f"comma list of patterns (default {DEFAULT_METHODS})")
     p.add_argument("--budgets", default="0.1,0.2,0.3,0.4,0.5,1.0", help="fixed densities for budget_<d> methods")
     p.add_argument("--alpha", type=float, default=0.06, help="flashprefill alpha")
+    p.add_argument("--query-stride", type=int, default=1,
+                   help="flashprefill / budget search: score every s-th query of each block (s times cheaper)")
     p.add_argument("--xattn-threshold", type=float, default=0.9)
     p.add_argument("--xattn-stride", type=int, default=8)
     p.add_argument("--sink-blocks", type=int, default=2)
@@ -1035,7 +1037,7 @@ def main(argv=None) -> int:
                 inputs=gp.describe(), gen_params=gp.__dict__, methods=[m.name for m in methods],
                 timing=dict(reps=args.reps, min_reps=args.min_reps, warmup=args.warmup, budget_ms=args.budget_ms,
                             l2_flush_mb=256 if device.type == "cuda" else 0),
-                selector_params=dict(alpha=args.alpha, xattn_threshold=args.xattn_threshold, xattn_stride=args.xattn_stride,
+                selector_params=dict(alpha=args.alpha, query_stride=args.query_stride, xattn_threshold=args.xattn_threshold, xattn_stride=args.xattn_stride,
                                      sink_blocks=args.sink_blocks, recent_blocks=args.recent_blocks,
                                      quoka_query_ratio=args.quoka_query_ratio, quoka_kv_budget=args.quoka_kv_budget))
     metas = json.loads(meta_path.read_text()) if meta_path.exists() else {}

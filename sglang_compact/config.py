@@ -16,11 +16,11 @@ PREFILL_KERNELS = ("auto", "fa2", "fa3")
 
 # Per-selector parameters: name -> (default, min, max, kind). Bounds are inclusive.
 SELECTOR_PARAMS: dict[str, dict[str, tuple[Any, float, float, type]]] = {
-    "flashprefill": {"alpha": (0.06, 0.0, 1.0, float)},
+    "flashprefill": {"alpha": (0.06, 0.0, 1.0, float), "query_stride": (1, 1, 16, int)},
     "xattention": {"threshold": (0.9, 0.0, 1.0, float), "stride": (8, 1, 16, int)},
     "oracle": {"top_p": (0.95, 0.0, 1.0, float)},
     "dense": {},
-    "budget": {"density": (0.3, 0.0, 1.0, float)},
+    "budget": {"density": (0.3, 0.0, 1.0, float), "query_stride": (1, 1, 16, int)},
     "seer": {"threshold": (0.9, 0.0, 1.0, float), "gate_path": (None, 0, 0, str)},
 }
 
@@ -108,6 +108,9 @@ class CompactConfig:
             out[name] = v
         if self.selector == "xattention" and out["stride"] & (out["stride"] - 1):
             _fail("selector_params['stride']", "must be a power of two in [1, 16]", out["stride"])
+        qs = out.get("query_stride", 1)
+        if qs & (qs - 1):
+            _fail("selector_params['query_stride']", "must be a power of two in [1, 16]", qs)
         if self.selector == "seer" and out["gate_path"] is None:
             _fail("selector_params['gate_path']", "selector 'seer' needs a safetensors file of AttnGate weights", None)
         return out

@@ -19,6 +19,8 @@ def test_defaults_valid():
     ({"recent_blocks": 0}, "recent_blocks", ">= 1"),
     ({"min_prefix_len": -5}, "min_prefix_len", ">= 0"),
     ({"prefill_kernel": "fa4"}, "prefill_kernel", "one of auto, fa2, fa3"),
+    ({"selector_params": {"query_stride": 3}}, "selector_params['query_stride']", "power of two in [1, 16]"),
+    ({"selector": "budget", "selector_params": {"query_stride": 32}}, "selector_params['query_stride']", "integer in [1, 16]"),
     ({"density_cap": 0.0}, "density_cap", "(0, 1]"),
     ({"density_cap": 1.5}, "density_cap", "(0, 1]"),
     ({"selector_params": {"alpha": 2.0}}, "selector_params['alpha']", "[0.0, 1.0]"),

@@ -44,3 +44,24 @@ def test_kernel_rejects_unsupported_shapes():
     with pytest.raises(ValueError, match="head_dim"):
         fp_triton.block_scores(b.q[..., :12], b.cu_chunk, b.chunk_lens_cpu, pooled[..., :12], b.kv_blocks(),
                                b.sm_scale, 16, 3)
+
+
+@pytest.mark.parametrize("stride", [2, 4])
+@pytest.mark.parametrize("group_max", [False, True])
+def test_query_stride_kernel_equals_reference(stride, group_max):
+    b, pooled = case(7, 64, 8, 2, 32, [900, 300], [150, 64])
+    args = (b.q, b.cu_chunk, b.chunk_lens_cpu, pooled, b.kv_blocks(), b.sm_scale, 64, b.max_q_blocks(64))
+    ref = fp_naive.block_scores(*args, group_max=group_max, query_stride=stride)
+    torch.testing.assert_close(fp_triton.block_scores(*args, group_max=group_max, query_stride=stride), ref,
+                               rtol=1e-5, atol=1e-6)
+    # a strided score never exceeds the full one (a max over fewer queries), and stride 1 is the full one
+    full = fp_naive.block_scores(*args, group_max=group_max)
+    assert (ref <= full + 1e-7).all() and not torch.equal(ref, full)
+    assert torch.equal(fp_naive.block_scores(*args, group_max=group_max, query_stride=1), full)
+
+
+def test_query_stride_must_leave_16_queries_per_block():
+    b, pooled = case(0, 32, 4, 2, 16, [100], [40])
+    with pytest.raises(ValueError, match="query_stride"):
+        fp_triton.block_scores(b.q, b.cu_chunk, b.chunk_lens_cpu, pooled, b.kv_blocks(), b.sm_scale, 32, 2,
+                               query_stride=4)

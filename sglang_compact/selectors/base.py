@@ -106,11 +106,13 @@ def pooled_keys_from_pool(batch: ChunkBatch) -> torch.Tensor:
 
 
 def pooled_block_scores(batch: ChunkBatch, pooled_keys: torch.Tensor, q_block: int,
-                        use_triton: bool | None = None, group_max: bool = False) -> torch.Tensor:
+                        use_triton: bool | None = None, group_max: bool = False,
+                        query_stride: int = 1) -> torch.Tensor:
     """FlashPrefill-style block scores against pooled keys (see `kernels/flashprefill_naive.py`).
 
     s[t, j] = q_t . kbar_j * scale, softmax over the valid prefix blocks j,
-    then the max over the queries t of each query block.
+    then the max over the queries t of each query block (every `query_stride`-th query only: the
+    search's cost falls by that factor).
 
     Returns:
         float32 [B, H_q, NQ, NKV] ([B, H_kv, NQ, NKV], the max over each group's heads, with
@@ -120,11 +122,11 @@ def pooled_block_scores(batch: ChunkBatch, pooled_keys: torch.Tensor, q_block: i
     if use_triton is None:
         use_triton = batch.q.is_cuda
     D = batch.head_dim
-    if D < 16 or D & (D - 1):
-        use_triton = False  # the kernel tiles head_dim as one power-of-two block
+    if D < 16 or D & (D - 1) or q_block // query_stride < 16:
+        use_triton = False  # the kernel tiles head_dim, and each block's scored queries, as power-of-two blocks
     impl = flashprefill_kernel.block_scores if use_triton else flashprefill_naive.block_scores
     return impl(batch.q, batch.cu_chunk, batch.chunk_lens_cpu, pooled_keys, batch.kv_blocks(), batch.sm_scale,
-                q_block, batch.max_q_blocks(q_block), group_max=group_max)
+                q_block, batch.max_q_blocks(q_block), group_max=group_max, query_stride=query_stride)
 
 
 def threshold_rows(scores: torch.Tensor, valid: torch.Tensor, alpha: float) -> torch.Tensor:

@@ -2,7 +2,8 @@
 
 Blocks are ranked by their best pooled-key score over the row's query heads and
 query blocks (forced sink/recent blocks first), and the top ceil(density * n_b)
-are given to every query block and head of the row. So the density the paged
+are given to every query block and head of the row (`query_stride` s scores
+every s-th query of each block only). So the density the paged
 kernel reads after the unions is the requested one (for benchmarks at a chosen
 density); `CompactConfig.density_cap` ranks the same way.
 """
@@ -30,7 +31,8 @@ class BudgetSelector(Selector):
         bs = cfg.block_size
         if pooled_keys is None:
             pooled_keys = pooled_keys_from_pool(batch)
-        scores = pooled_block_scores(batch, pooled_keys, bs, group_max=True)  # [B, H_kv, NQ, NKV]
+        scores = pooled_block_scores(batch, pooled_keys, bs, group_max=True,
+                                     query_stride=cfg.param("query_stride"))  # [B, H_kv, NQ, NKV]
         rows = top_blocks_per_row(scores.amax(dim=2), batch.kv_blocks(), max(batch.kv_blocks_cpu(), default=0),
                                   cfg.param("density"), cfg.sink_blocks, cfg.recent_blocks)
         mask = rows.repeat_interleave(batch.group_size, dim=1)[:, :, None, :] & valid_cells(batch, bs)
