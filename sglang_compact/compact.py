@@ -16,7 +16,7 @@ from sglang_compact.batch import ChunkBatch, cdiv
 from sglang_compact.config import CompactConfig
 from sglang_compact.plan import PagedPlan, PlanBuffers, build_plan
 from sglang_compact.selectors import Selection, make_selector
-from sglang_compact.selectors.base import forced_count, row_budget, top_blocks_per_row, valid_cells
+from sglang_compact.selectors.base import row_budget, top_blocks_per_row, valid_cells
 from sglang_compact.union import UnionStats, union_stats, union_table
 
 
@@ -84,7 +84,7 @@ class CompactAttention:
         for k, c in zip(n, compact):
             r = next(chosen) if c else k
             if c and cfg.density_cap is not None:
-                r = min(r, row_budget(k, cfg.density_cap, forced_count(k, cfg.sink_blocks, cfg.recent_blocks)))
+                r = min(r, row_budget(k, cfg.density_cap, cfg.sink_blocks, cfg.recent_blocks))
             out.append(r)
         return out
 

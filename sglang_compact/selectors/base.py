@@ -24,6 +24,7 @@ from sglang_compact.batch import ChunkBatch
 from sglang_compact.config import CompactConfig
 from sglang_compact.kernels import flashprefill as flashprefill_kernel
 from sglang_compact.kernels import flashprefill_naive
+from sglang_compact.kernels.union_naive import forced_blocks
 
 NEG_INF = float("-inf")
 
@@ -152,14 +153,11 @@ def top_p_rows(mass: torch.Tensor, valid: torch.Tensor, p: float) -> torch.Tenso
     return keep & valid
 
 
-def forced_count(n_blocks: int, sink_blocks: int, recent_blocks: int) -> int:
-    """Number of forced (sink or recent) blocks of a prefix of n_blocks blocks."""
-    return min(n_blocks, sink_blocks + recent_blocks)
-
-
-def row_budget(n_blocks: int, fraction: float, min_keep: int) -> int:
-    """The k of `top_blocks_per_row` for one request, on the host (same rounding)."""
-    return max(math.ceil(n_blocks * fraction - 1e-9), min_keep)
+def row_budget(n_blocks: int, fraction: float, sink_blocks: int, recent_blocks: int) -> int:
+    """The number of blocks `top_blocks_per_row` keeps of a row of n_blocks prefix blocks, on the host
+    (same formula and rounding): min(n, max(ceil(fraction * n), 1, forced))."""
+    forced = min(n_blocks, sink_blocks + recent_blocks)
+    return min(n_blocks, max(math.ceil(n_blocks * fraction - 1e-9), 1, forced))
 
 
 def top_blocks_per_row(row_scores: torch.Tensor, kv_blocks: torch.Tensor, max_blocks: int, fraction: float,
@@ -167,7 +165,7 @@ def top_blocks_per_row(row_scores: torch.Tensor, kv_blocks: torch.Tensor, max_bl
     """Keep min(n_b, max(ceil(fraction * n_b), 1, forced)) blocks of each (request b, kv head) row:
     the forced (sink / recent) blocks first, then the best-scoring ones (equal scores in any order).
     The `budget` selector's ranking, and the density cap's (with `allowed` = the union table, of
-    which at most that many cells survive). `row_budget` / `forced_count` are its host twins.
+    which at most that many cells survive). `row_budget` is its host twin.
 
     Args:
         row_scores: float [B, H_kv, NKV]; kv_blocks: int [B] (device); max_blocks: host bound on
@@ -178,10 +176,9 @@ def top_blocks_per_row(row_scores: torch.Tensor, kv_blocks: torch.Tensor, max_bl
     """
     B, H, NKV = row_scores.shape
     dev = row_scores.device
-    j = torch.arange(NKV, device=dev)
     n = kv_blocks.to(torch.long)[:, None]
-    valid = j < n                                                     # [B, NKV]
-    forced = valid & ((j < sink_blocks) | (j >= n - recent_blocks))
+    valid = torch.arange(NKV, device=dev) < n                         # [B, NKV]
+    forced = forced_blocks(kv_blocks, NKV, sink_blocks, recent_blocks)
     keepable = valid[:, None] if allowed is None else valid[:, None] & allowed
     ranked = torch.where(forced[:, None], float("inf"),
                          torch.where(keepable, row_scores.to(torch.float32), float("-inf")))

@@ -10,7 +10,7 @@ density); `CompactConfig.density_cap` ranks the same way.
 
 from __future__ import annotations
 
-from sglang_compact.selectors.base import (Selection, Selector, forced_count, pooled_block_scores,
+from sglang_compact.selectors.base import (Selection, Selector, pooled_block_scores,
                                            pooled_keys_from_pool, register_selector, row_budget,
                                            top_blocks_per_row, valid_cells)
 
@@ -21,10 +21,7 @@ class BudgetSelector(Selector):
 
     def row_blocks(self, n_blocks):
         cfg = self.config
-        # the count top_blocks_per_row keeps (forced blocks included)
-        return [min(n, max(row_budget(n, cfg.param("density"), 1), forced_count(n, cfg.sink_blocks,
-                                                                               cfg.recent_blocks)))
-                for n in n_blocks]
+        return [row_budget(n, cfg.param("density"), cfg.sink_blocks, cfg.recent_blocks) for n in n_blocks]
 
     def select(self, batch, layer=0, pooled_keys=None):
         cfg = self.config
