@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Build an offline wheelhouse (one tar) for an air-gapped GPU serving node.
 
-    python scripts/build_wheelhouse.py --out dist/wheelhouse.tar          # everything (~1 GB)
+    python scripts/build_wheelhouse.py --out dist/wheelhouse.tar          # everything, trimmed (~74 MiB)
+    python scripts/build_wheelhouse.py --no-trim --out dist/full.tar      # PyPI's wheels untouched (~454 MiB)
     python scripts/build_wheelhouse.py --dry-run                          # what it would fetch
     python scripts/build_wheelhouse.py --dry-run --resolve                # + the files (index metadata only)
     python scripts/build_wheelhouse.py --only sglang-compact --out x.tar  # just this package's wheel
@@ -17,6 +18,13 @@ What goes in:
   wheels while e.g. sglang-kernel is manylinux2014);
 * this package's own wheel (`pip wheel --no-deps .`).
 
+Trimming (default; `--no-trim` keeps PyPI's wheels as they are): a wheel with a rule in TRIM_RULES is rewritten
+without what the node never loads: sglang-kernel keeps only the common_ops arch dir the target loads (`sm90/`
+for `--cuda-arch 90`, `sm100/` otherwise) and loses flash_ops (FA3), flashmla_ops and infllm_ops; xgrammar
+loses its static C++ library. A trimmed wheel gets a PEP 440 local version (`0.4.5+sm90`, `0.2.1+nostatic`):
+new file name, dist-info dir, METADATA Version and RECORD; MANIFEST.json records PyPI's file and sha256, what
+was dropped, and pins the local version for install.sh.
+
 The archive holds one folder: `wheels/`, `MANIFEST.json` (target, arch notes,
 packages, sha256 and size of every other file) and `install.sh`, which checks
 the hashes and the interpreter, then installs the pinned set with
@@ -30,7 +38,11 @@ Exit status: 0 done, 1 a download/build failed, 2 bad arguments.
 from __future__ import annotations
 
 import argparse
+import base64
+import csv
+import fnmatch
 import hashlib
+import io
 import json
 import os
 import re
@@ -41,6 +53,7 @@ import sys
 import tarfile
 import tempfile
 import time
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -124,15 +137,23 @@ def target_flags(args) -> list[str]:
     return flags
 
 
-def arch_notes(cuda_arch: str) -> dict:
-    sm = f"sm{cuda_arch}"
+def arch_notes(cuda_arch: str, trim: bool = True) -> dict:
+    sm, kdir = f"sm{cuda_arch}", sgl_kernel_arch_dir(cuda_arch)
+    if trim:
+        kernel = (f"sglang-kernel is trimmed to the common_ops build sgl_kernel loads on {sm} ({kdir}/; version "
+                  f"+{kdir}); the other arch dirs and the flash_ops (FA3), flashmla_ops and infllm_ops libraries are "
+                  "not in it, so attention backends fa3, flashmla and InfLLM-V2 are unavailable. xgrammar is "
+                  "without its static C++ library (+nostatic). Build with --no-trim for PyPI's wheels as they are.")
+    else:
+        kernel = (f"sglang-kernel ships one wheel holding a common_ops build per arch dir (sm90/, sm100/); on {sm} "
+                  f"sgl_kernel loads {kdir}/, so only that build matters (the others may be deleted after install "
+                  "to save space).")
     return {
         "cuda_arch": cuda_arch,
         "sm": sm,
+        "sgl_kernel_arch_dir": kdir,
         "notes": [
-            f"sglang-kernel ships one wheel holding a build per GPU arch (sm90/, sm100/, ...); only {sm} is "
-            f"loaded on this node, so only the {sm} build matters (the others may be deleted after install "
-            "to save space).",
+            kernel,
             "FA3 (sgl_kernel's flash_ops library) is not needed: `compact` serves prefill and decode through "
             "FlashInfer. Name the backend explicitly (`--attention-backend compact`, or `flashinfer`): SGLang's "
             "default on Hopper is fa3.",
@@ -162,6 +183,189 @@ def sha256(path: Path) -> str:
 
 def wheel_project(filename: str) -> str:
     return canonical(filename.split("-")[0])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Trimming: a wheel with a rule below is rewritten without what the node never loads, under a PEP 440 local
+# version (`0.4.5+sm90`), so a trimmed file is never named like PyPI's. `--no-trim` keeps PyPI's wheels as is.
+
+@dataclass(frozen=True)
+class TrimRule:
+    label: str                  # the local version label; "{sm}" is the sgl_kernel arch dir kept (sm90 / sm100)
+    drop: tuple[str, ...]       # paths in the wheel: `*` matches within one path part, a trailing `/` = a folder
+    why: str
+    keep: tuple[str, ...] = ()  # never dropped and must be there (a wheel without it is an error)
+
+
+TRIM_RULES = {
+    "sglang-kernel": TrimRule(
+        label="{sm}",
+        drop=("sgl_kernel/sm*/", "sgl_kernel/flash_ops.*", "sgl_kernel/flashmla_ops.*", "sgl_kernel/infllm_ops.*"),
+        keep=("sgl_kernel/{sm}/",),
+        why="one wheel holds a common_ops build per arch dir; sgl_kernel/load_utils.py loads sm90/ on compute "
+            "capability 9.0 and sm100/ on every other GPU, so only {sm}/ is ever loaded on the target. flash_ops "
+            "(FA3, 1.1 GB unpacked), flashmla_ops (FlashMLA) and infllm_ops (InfLLM-V2) are imported only by their "
+            "own attention backends (guarded imports); `compact` serves through FlashInfer"),
+    "xgrammar": TrimRule(
+        label="nostatic",
+        drop=("xgrammar/lib/libxgrammar.a",),
+        why="static C++ library, only for linking C++ code against xgrammar; Python loads libxgrammar_bindings.so"),
+}
+# RECORD signatures would no longer match the rebuilt RECORD
+RECORD_SIGNATURES = ("RECORD.jws", "RECORD.p7s")
+
+
+class TrimError(Exception):
+    pass
+
+
+def sgl_kernel_arch_dir(cuda_arch: str) -> str:
+    """The common_ops dir sgl_kernel loads on that GPU: sm90 on compute capability 9.0 (also `90a`), else sm100."""
+    return "sm90" if int(re.match(r"\d+", cuda_arch).group()) == 90 else "sm100"
+
+
+def trim_rule(project: str, cuda_arch: str) -> TrimRule | None:
+    rule = TRIM_RULES.get(canonical(project))
+    if rule is None:
+        return None
+    sm = sgl_kernel_arch_dir(cuda_arch)
+    fill = lambda s: s.replace("{sm}", sm)  # noqa: E731
+    return TrimRule(fill(rule.label), tuple(map(fill, rule.drop)), fill(rule.why), tuple(map(fill, rule.keep)))
+
+
+def local_version(version: str, label: str) -> str:
+    return f"{version}.{label}" if "+" in version else f"{version}+{label}"
+
+
+def path_matches(path: str, pattern: str) -> bool:
+    """`pattern` against a wheel entry: part by part, `*`/`?` never cross `/`; `dir/` matches all under dir."""
+    parts, pat = path.split("/"), pattern.rstrip("/").split("/")
+    if pattern.endswith("/"):
+        return len(parts) > len(pat) and all(fnmatch.fnmatchcase(a, b) for a, b in zip(parts, pat))
+    return len(parts) == len(pat) and all(fnmatch.fnmatchcase(a, b) for a, b in zip(parts, pat))
+
+
+def record_hash(digest: bytes) -> str:
+    return "sha256=" + base64.urlsafe_b64encode(digest).rstrip(b"=").decode()
+
+
+def _set_version(metadata: bytes, old: str, new: str) -> bytes:
+    head, sep, body = metadata.partition(b"\n\n")
+    head, n = re.subn(rb"^Version:[ \t]*" + re.escape(old.encode()) + rb"[ \t]*(\r?)$",
+                      b"Version: " + new.encode() + rb"\1", head, count=1, flags=re.M)
+    if n != 1:
+        raise TrimError(f"METADATA has no `Version: {old}` header")
+    return head + sep + body
+
+
+def trim_wheel(wheel: Path, out_dir: Path, rule: TrimRule) -> dict | None:
+    """Write `wheel` without the entries `rule` drops, as version `<version>+<label>`, into out_dir (the dist-info
+    dir renamed, METADATA's Version set, RECORD rebuilt; every kept entry keeps its bytes, date, compression and
+    permissions; WHEEL is untouched). Returns what was done, or None when the rule drops nothing there."""
+    parts = wheel.name[:-len(".whl")].split("-")
+    if len(parts) not in (5, 6):
+        raise TrimError(f"{wheel.name}: not a wheel file name")
+    version = parts[1]
+    new_version = local_version(version, rule.label)
+    new_name = "-".join([parts[0], new_version, *parts[2:]]) + ".whl"
+    with zipfile.ZipFile(wheel) as zin:
+        infos = zin.infolist()
+        names = [i.filename for i in infos]
+        info_dirs = {n.split("/", 1)[0] for n in names if n.split("/", 1)[0].endswith(".dist-info")}
+        if len(info_dirs) != 1:
+            raise TrimError(f"{wheel.name}: expected one .dist-info dir, found {sorted(info_dirs) or 'none'}")
+        old_info = info_dirs.pop()
+        dist, _, info_version = old_info[:-len(".dist-info")].partition("-")
+        if info_version != version:
+            raise TrimError(f"{wheel.name}: its dist-info dir {old_info} has another version")
+        renames = {f"{dist}-{version}.dist-info/": f"{dist}-{new_version}.dist-info/",
+                   f"{dist}-{version}.data/": f"{dist}-{new_version}.data/"}
+        record_name, metadata_name = f"{old_info}/RECORD", f"{old_info}/METADATA"
+        if record_name not in names or metadata_name not in names:
+            raise TrimError(f"{wheel.name}: no {record_name} or {metadata_name}")
+
+        for k in rule.keep:
+            if not any(path_matches(n, k) and not n.endswith("/") for n in names):
+                have = sorted({"/".join(n.split("/")[:len(k.rstrip("/").split("/"))]) + "/"
+                               for n in names if any(path_matches(n, d) for d in rule.drop if d.endswith("/"))})
+                raise TrimError(f"{wheel.name} has no {k} (needed for this --cuda-arch); it has "
+                                f"{', '.join(have) or 'no such dirs'}")
+        kept = lambda n: any(path_matches(n, k) for k in rule.keep)  # noqa: E731
+        drop = {n for n in names if not kept(n) and any(path_matches(n, p) for p in rule.drop)}
+        if not drop:
+            return None
+        drop |= {n for n in names if n in (f"{old_info}/{s}" for s in RECORD_SIGNATURES)}
+        # folder entries left empty by the drop go too
+        files_left = [n for n in names if n not in drop and not n.endswith("/")]
+        drop |= {n for n in names if n.endswith("/") and any(d.startswith(n) for d in drop)
+                 and not any(f.startswith(n) for f in files_left)}
+
+        old_record = {}
+        for row in csv.reader(io.StringIO(zin.read(record_name).decode())):
+            if row:
+                old_record[row[0]] = row[1] if len(row) > 1 else ""
+
+        def rename(n: str) -> str:
+            for old, new in renames.items():
+                if n.startswith(old):
+                    return new + n[len(old):]
+            return n
+
+        out_dir.mkdir(parents=True, exist_ok=True)
+        part = out_dir / (new_name + ".part")
+        record_rows, dropped = [], []
+        try:
+            with zipfile.ZipFile(part, "w") as zout:
+                for info in infos:
+                    if info.filename in drop:
+                        if not info.filename.endswith("/"):
+                            dropped.append({"path": info.filename, "size": info.file_size})
+                        continue
+                    if info.filename == record_name:
+                        continue  # rebuilt, written last
+                    zi = _clone(info, rename(info.filename))
+                    if info.is_dir():
+                        zout.writestr(zi, b"")
+                        continue
+                    if info.filename == metadata_name:
+                        data = _set_version(zin.read(info), version, new_version)
+                        zout.writestr(zi, data)
+                        digest, size = hashlib.sha256(data).digest(), len(data)
+                    else:
+                        digest, size = _copy_entry(zin, info, zout, zi)
+                        want = old_record.get(info.filename)
+                        if want and want != record_hash(digest):
+                            raise TrimError(f"{wheel.name}: {info.filename} does not match its RECORD")
+                    record_rows.append([zi.filename, record_hash(digest), str(size)])
+                new_record = rename(record_name)
+                record_rows.append([new_record, "", ""])
+                buf = io.StringIO()
+                csv.writer(buf, lineterminator="\n").writerows(record_rows)
+                zout.writestr(_clone(zin.getinfo(record_name), new_record), buf.getvalue().encode())
+            out = out_dir / new_name
+            part.replace(out)
+        except BaseException:
+            part.unlink(missing_ok=True)
+            raise
+    return {"file": new_name, "version": new_version, "label": rule.label, "dropped": dropped,
+            "dropped_bytes": sum(d["size"] for d in dropped)}
+
+
+def _clone(info: zipfile.ZipInfo, name: str) -> zipfile.ZipInfo:
+    zi = zipfile.ZipInfo(name, info.date_time)
+    zi.compress_type, zi.external_attr, zi.create_system = info.compress_type, info.external_attr, info.create_system
+    zi.comment, zi.file_size = info.comment, info.file_size
+    return zi
+
+
+def _copy_entry(zin: zipfile.ZipFile, info: zipfile.ZipInfo, zout: zipfile.ZipFile, zi: zipfile.ZipInfo):
+    h, size = hashlib.sha256(), 0
+    with zin.open(info) as src, zout.open(zi, "w", force_zip64=info.file_size >= zipfile.ZIP64_LIMIT) as dst:
+        while chunk := src.read(1 << 20):
+            h.update(chunk)
+            dst.write(chunk)
+            size += len(chunk)
+    return h.digest(), size
 
 
 def pip_cmd(args) -> list[str]:
@@ -311,6 +515,27 @@ class _PlainProgress:
         pass
 
 
+def trim_package(entry: dict, wheel: Path, rule: TrimRule) -> dict:
+    """Trim the downloaded `wheel` in place (PyPI's file replaced by the relabelled one); the MANIFEST entry says
+    what it was, what went and what it is now. Unchanged when the rule drops nothing in this wheel."""
+    src = {"file": wheel.name, "sha256": sha256(wheel), "size": wheel.stat().st_size}
+    done = trim_wheel(wheel, wheel.parent, rule)
+    if done is None:
+        print(f"warning: {wheel.name}: trim rule matched nothing, kept as is", file=sys.stderr)
+        return entry
+    new = wheel.parent / done["file"]
+    wheel.unlink()
+    to = {"file": new.name, "sha256": sha256(new), "size": new.stat().st_size}
+    print(f"trimmed {src['file']} -> {to['file']}: dropped {len(done['dropped'])} file(s), "
+          f"{done['dropped_bytes'] / 2**20:.0f} MiB unpacked; "
+          f"{src['size'] / 2**20:.1f} -> {to['size'] / 2**20:.1f} MiB",
+          file=sys.stderr)
+    return {**entry, "version": done["version"], "requirement": f"{entry['name']}=={done['version']}",
+            "file": f"wheels/{new.name}",
+            "trimmed": {"from": src, "to": to, "label": done["label"], "why": rule.why,
+                        "dropped": done["dropped"], "dropped_bytes": done["dropped_bytes"]}}
+
+
 def build(args, items: list[Item]) -> int:
     out = Path(args.out).resolve()
     mode = tar_mode(out)
@@ -335,9 +560,17 @@ def build(args, items: list[Item]) -> int:
             if len(mine) != 1:
                 print(f"error: {it.spec}: expected one new wheel, pip left {new or 'nothing'}", file=sys.stderr)
                 return 1
-            packages.append({"name": it.name, "version": it.version, "requirement": it.spec,
-                             "file": f"wheels/{mine[0]}", "source": "built from this repository" if it.own
-                             else "pip download", "note": it.note})
+            entry = {"name": it.name, "version": it.version, "requirement": it.spec,
+                     "file": f"wheels/{mine[0]}", "source": "built from this repository" if it.own
+                     else "pip download", "note": it.note}
+            rule = trim_rule(it.name, args.cuda_arch) if args.trim and not it.own else None
+            if rule is not None:
+                try:
+                    entry = trim_package(entry, wheels / mine[0], rule)
+                except (TrimError, zipfile.BadZipFile, OSError) as e:
+                    print(f"error: {it.spec}: trimming {mine[0]}: {e}", file=sys.stderr)
+                    return 1
+            packages.append(entry)
         (stage / "install.sh").write_text(INSTALL_SH)
         files = {}
         for p in sorted(stage.rglob("*")):
@@ -350,7 +583,8 @@ def build(args, items: list[Item]) -> int:
             "built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "target": {"python_version": args.python_version, "implementation": "cp", "platform": args.platform,
                        "platform_tags": expand_platforms(args.platform)},
-            "arch": arch_notes(args.cuda_arch),
+            "arch": arch_notes(args.cuda_arch, args.trim),
+            "trim": args.trim,
             "requirements_file": os.path.relpath(args.requirements, REPO_ROOT),
             "only": args.only or None,
             "install": "bash install.sh [pip args]  (pip install --no-index --find-links wheels --no-deps ...)",
@@ -378,13 +612,17 @@ def parse_args(argv):
     p.add_argument("--platform", default=DEFAULT_PLATFORM,
                    help=f"the node's newest manylinux tag (default {DEFAULT_PLATFORM}: sglang 0.5.17 has only "
                         "manylinux_2_34 wheels); every older manylinux tag is accepted too")
-    p.add_argument("--cuda-arch", default="90", help="target GPU arch, e.g. 90 for sm90 (H100/H200; default); "
-                   "recorded in MANIFEST.json")
+    p.add_argument("--cuda-arch", default="90",
+                   help="target GPU arch, e.g. 90 for sm90 (H100/H200; default), 100a, 120; picks the sglang-kernel "
+                        "build kept (sm90/ for 90, sm100/ otherwise); recorded in MANIFEST.json")
     p.add_argument("--out", default=None, help="archive to write (.tar, .tar.gz, .tar.xz); default "
                    "dist/sglang-compact-wheelhouse-py<ver>-sm<arch>.tar")
     p.add_argument("--requirements", default=str(DEFAULT_REQUIREMENTS), help="pinned NAME==VERSION list")
     p.add_argument("--only", action="append", default=None, metavar="NAMES",
                    help=f"restrict to these packages (comma-separated, repeatable); {OWN_NAME} is this package")
+    p.add_argument("--no-trim", dest="trim", action="store_false",
+                   help="keep PyPI's wheels untouched (default: trim sglang-kernel to the target's arch and drop "
+                        "FA3/FlashMLA/InfLLM, drop xgrammar's static library; ~74 MiB instead of ~454 MiB)")
     p.add_argument("--dry-run", action="store_true", help="print what would be fetched and built; fetch nothing")
     p.add_argument("--resolve", action="store_true",
                    help="with --dry-run: also ask the index which file each pin resolves to (metadata only)")
@@ -429,7 +667,15 @@ def main(argv=None) -> int:
                 print(f"  fetch {it.spec:38s} {('# ' + it.note) if it.note else ''}".rstrip())
         if any(not i.own for i in items):
             print(f"each fetch runs: {common} NAME==VERSION")
-        for note in arch_notes(args.cuda_arch)["notes"]:
+        trims = [(it, trim_rule(it.name, args.cuda_arch)) for it in items if not it.own]
+        trims = [(it, r) for it, r in trims if r is not None]
+        if trims and not args.trim:
+            print(f"no trimming (--no-trim): {', '.join(it.name for it, _ in trims)} kept as PyPI ships them")
+        for it, r in trims if args.trim else ():
+            drop = ", ".join(r.drop) + (f" (keeping {', '.join(r.keep)})" if r.keep else "")
+            print(f"  trim  {it.spec} -> {it.name}=={local_version(it.version, r.label)}: drop {drop}")
+            print(f"        why: {r.why}")
+        for note in arch_notes(args.cuda_arch, args.trim)["notes"]:
             print(f"note: {note}")
         return resolve(args, items) if args.resolve else 0
     return build(args, items)
