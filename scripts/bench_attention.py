@@ -498,7 +498,7 @@ class ConfigRun:
 
         def e2e():
             pk = self.summaries.pooled(0, self.pages) if uses else None
-            cp = ca.plan(b, 0, pk, buffers=buffers)
+            cp = ca.plan(b, 0, pk, buffers=buffers, with_stats=False)  # as the server runs it (metrics off)
             return ex.run(b, cp.plan)
 
         out = e2e()
@@ -506,7 +506,8 @@ class ConfigRun:
         row["begin_forward_ms"] = bf_ms
         sel, search_ms = self.search(m, ca, retime=True)
         cfg = ca.config
-        table, counts = union_table(sel.mask, self.H_kv, self.kv_blocks, cfg.sink_blocks, cfg.recent_blocks)
+        union_in = sel.rows[:, :, None, :] if sel.rows is not None else sel.mask  # as CompactAttention.plan
+        table, counts = union_table(union_in, self.H_kv, self.kv_blocks, cfg.sink_blocks, cfg.recent_blocks)
         plan = build_plan(table, counts, b.page_table, b.prefix_lens, b.cu_chunk, self.P, buffers=buffers,
                           index_bound=self.index_bound)
         st = union_stats(sel.mask, table, self.kv_blocks, b.q_blocks(self.P)).as_floats()
@@ -514,7 +515,7 @@ class ConfigRun:
         row["density"] = m.fixed_density if m.fixed_density is not None else st["after_group"]
         if not args.no_split:
             row["search_ms"] = search_ms
-            row["union_ms"] = t.device_ms(lambda: union_table(sel.mask, self.H_kv, self.kv_blocks, cfg.sink_blocks,
+            row["union_ms"] = t.device_ms(lambda: union_table(union_in, self.H_kv, self.kv_blocks, cfg.sink_blocks,
                                                               cfg.recent_blocks))
             row["plan_ms"] = t.device_ms(lambda: build_plan(table, counts, b.page_table, b.prefix_lens, b.cu_chunk,
                                                             self.P, buffers=buffers, index_bound=self.index_bound))

@@ -41,6 +41,7 @@ sys.path.insert(0, str(REPO / "scripts"))
 sys.path.insert(0, str(REPO / "scripts" / "gpu"))
 from make_llama_config import write_model_dir  # noqa: E402
 from serving_check import Server  # noqa: E402
+import trace_summary  # noqa: E402
 
 try:
     from tqdm import tqdm
@@ -74,6 +75,12 @@ def main() -> int:
     ap.add_argument("--density-note", default="0.3 (no accuracy result yet for Llama-3.1-8B)")
     ap.add_argument("--out-dir", default=str(REPO / "docs" / "results"))
     ap.add_argument("--deadline-s", type=float, default=None, help="start no new configuration after this")
+    ap.add_argument("--profile-steps", type=int, default=0,
+                    help="after timing each (context, batch), one more round with SGLang's torch profiler on for "
+                         "this many forward passes, started --profile-at of the way through (0: off); the trace "
+                         "summaries go to <out-dir>/profile_e2e.{md,json}")
+    ap.add_argument("--profile-at", type=float, default=0.6,
+                    help="fraction of the timed TTFT after which profiling starts (default 0.6)")
     ap.add_argument("--concurrent-servers", action="store_true",
                     help="start the methods' servers of a chunk size side by side (capped KV pools)")
     a = ap.parse_args()
@@ -129,10 +136,42 @@ def main() -> int:
                        "speedup_vs_dense": None, "overhead_frac": None, "server_start_s": round(srv.start_s, 1),
                        "density_note": None if method == "flashinfer" else a.density_note}
                 rows.append(row)
+                if a.profile_steps:
+                    profile(srv, method, chunk, ctx, bsz, n_tokens, statistics.median(times), round_)
                 print(f"{method} chunk {chunk} ctx {ctx} batch {bsz}: {row['ms']:.0f} ms (all {row['ms_all']})",
                       flush=True)
                 if bar:
                     bar.update(1)
+
+    profiles = []
+
+    def profile(srv: Server, method: str, chunk: int, ctx: int, bsz: int, n_tokens: int, ttft_s: float,
+                round_) -> None:
+        """One more round, untimed, with the profiler on for a few forward passes part way through."""
+        pid = f"{method}_c{chunk}_ctx{ctx}_b{bsz}"
+        trace_dir = Path("/tmp/e2e_traces")
+        trace_dir.mkdir(parents=True, exist_ok=True)
+        with cf.ThreadPoolExecutor(1) as ex:
+            fut = ex.submit(round_, n_tokens, bsz)
+            time.sleep(a.profile_at * ttft_s)
+            reply = srv.post("/start_profile", {"output_dir": str(trace_dir), "num_steps": a.profile_steps,
+                                                "activities": ["CPU", "GPU"], "with_stack": False,
+                                                "record_shapes": False, "profile_id": pid})
+            fut.result()
+        trace = trace_dir / f"{pid}-TP-0.trace.json.gz"
+        for _ in range(60):  # the scheduler writes it when the last profiled step ends
+            if trace.exists():
+                break
+            time.sleep(1)
+        if not trace.exists():
+            print(f"profile {pid}: no trace ({reply})", flush=True)
+            return
+        time.sleep(2)  # let the export finish
+        summary = trace_summary.summarize(trace_summary.load_trace(trace), a.profile_steps + 1)
+        summary.update(method=method, chunk=chunk, context=ctx, batch=bsz,
+                       prefix_at_start=int(a.profile_at * n_tokens))
+        profiles.append(summary)
+        print(trace_summary.render(summary, pid).splitlines()[2], flush=True)
 
     for chunk in chunks:
         if a.deadline_s and time.time() - t_start > a.deadline_s:
@@ -181,6 +220,15 @@ def main() -> int:
         lines.append(f"| {r['context']} | {r['chunk']} | {r['batch']} | {r['tp']} | {r['method']} | {dens} | "
                      f"{r['ms']:.0f} | {sp} |")
     (out / "speed_e2e.md").write_text("\n".join(lines) + "\n")
+    if profiles:
+        (out / "profile_e2e.json").write_text(json.dumps(profiles, indent=1))
+        md = [f"# E2E forward-pass profiles ({gpu}, {date})", "", f"Command: `{cmd}`", "",
+              f"SGLang's torch profiler on for {a.profile_steps} forward passes (+1 partial), started "
+              f"{a.profile_at:.0%} of the way through a prompt; per-step figures divide by {a.profile_steps + 1}.", ""]
+        for p in profiles:
+            md.append(trace_summary.render(p, f"{p['method']} chunk {p['chunk']} context {p['context']} "
+                                              f"batch {p['batch']} (prefix ~{p['prefix_at_start']})"))
+        (out / "profile_e2e.md").write_text("\n".join(md) + "\n")
     print("\n".join(lines))
     return 0
 

@@ -14,12 +14,17 @@ Shapes (B requests, T = sum of chunk lengths, P = page size = block size):
     cu_chunk     int32 [B + 1]
 
 Host copies of the lengths (`*_cpu`) size every buffer without a device sync.
+
+Tensors derived from the lengths alone (block counts, validity masks, forced
+blocks) are computed once per batch and shared by every layer: a layer's batch
+is `dataclasses.replace(template, q=..., k_pool=...)`, which keeps the template's
+`derived` store (see `ChunkBatch.memo`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Sequence
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
 
 import torch
 
@@ -42,6 +47,8 @@ class ChunkBatch:
     prefix_lens_cpu: Sequence[int]
     chunk_lens_cpu: Sequence[int]
     sm_scale: float
+    #: tensors derived from the lengths, shared by the layers' copies of one batch (see `memo`)
+    derived: dict = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
     def build(
@@ -127,12 +134,27 @@ class ChunkBatch:
     def max_q_blocks(self, q_block: int) -> int:
         return max(self.q_blocks_cpu(q_block) + [0])
 
+    # --- tensors derived from the lengths (computed once per batch) -----------------------
+    def memo(self, key: tuple, compute: Callable[[], object]):
+        """`compute()` once per (key, lengths, page size): layers of one forward pass share it.
+
+        Entries are keyed by the identity of the length tensors (kept alive by the entry), so a
+        batch whose lengths were replaced never sees another batch's values."""
+        full = (key, id(self.prefix_lens), id(self.chunk_lens), id(self.cu_chunk), self.page_size)
+        hit = self.derived.get(full)
+        if hit is None:
+            hit = (self.prefix_lens, self.chunk_lens, self.cu_chunk, compute())
+            self.derived[full] = hit
+        return hit[3]
+
     def kv_blocks(self) -> torch.Tensor:
         """int32 [B] device copy of n_kv_b."""
-        return torch.div(self.prefix_lens + self.page_size - 1, self.page_size, rounding_mode="floor").to(torch.int32)
+        return self.memo(("kv_blocks",), lambda: torch.div(self.prefix_lens + self.page_size - 1, self.page_size,
+                                                           rounding_mode="floor").to(torch.int32))
 
     def q_blocks(self, q_block: int) -> torch.Tensor:
-        return torch.div(self.chunk_lens + q_block - 1, q_block, rounding_mode="floor").to(torch.int32)
+        return self.memo(("q_blocks", q_block), lambda: torch.div(self.chunk_lens + q_block - 1, q_block,
+                                                                  rounding_mode="floor").to(torch.int32))
 
     # --- padded views used by the selectors ----------------------------------------------
     def padded_queries(self, q_block: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -168,8 +190,15 @@ class ChunkBatch:
 
     def kv_block_valid(self) -> torch.Tensor:
         """bool [B, NKV]: block j exists in request b's prefix."""
-        return torch.arange(self.max_kv_blocks, device=self.q.device)[None, :] < self.kv_blocks()[:, None]
+        return self.memo(("kv_block_valid",), lambda: torch.arange(
+            self.max_kv_blocks, device=self.prefix_lens.device)[None, :] < self.kv_blocks()[:, None])
 
     def q_block_valid(self, q_block: int) -> torch.Tensor:
         """bool [B, NQ]."""
-        return torch.arange(self.max_q_blocks(q_block), device=self.q.device)[None, :] < self.q_blocks(q_block)[:, None]
+        return self.memo(("q_block_valid", q_block), lambda: torch.arange(
+            self.max_q_blocks(q_block), device=self.chunk_lens.device)[None, :] < self.q_blocks(q_block)[:, None])
+
+    def valid_cells(self, q_block: int) -> torch.Tensor:
+        """bool [B, 1, NQ, NKV]: (query block, prefix block) cells that exist."""
+        return self.memo(("valid_cells", q_block), lambda: (
+            self.q_block_valid(q_block)[:, :, None] & self.kv_block_valid()[:, None, :])[:, None])

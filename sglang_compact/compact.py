@@ -26,12 +26,12 @@ class ChunkPlan:
 
     table: bool [B, H_kv, NKV] blocks each (request, kv head) reads
     plan:  the paged metadata of `table`
-    stats: densities before/after the unions (device scalars)
+    stats: densities before/after the unions (device scalars); None when not asked for
     """
 
     table: torch.Tensor
     plan: PagedPlan
-    stats: UnionStats
+    stats: UnionStats | None
 
 
 def apply_density_cap(table: torch.Tensor, scores: torch.Tensor, kv_blocks: torch.Tensor, cap: float,
@@ -95,19 +95,29 @@ class CompactAttention:
             pooled_keys = None
         sel = self.selector.select(batch, layer, pooled_keys)
         if compact_rows is not None:
-            valid = valid_cells(batch, self.config.block_size)
-            sel.mask = torch.where(compact_rows[:, None, None, None], sel.mask, valid)
+            if sel.rows is not None:
+                sel.rows = torch.where(compact_rows[:, None, None], sel.rows, batch.kv_block_valid()[:, None, :])
+            else:
+                valid = valid_cells(batch, self.config.block_size)
+                sel.mask = torch.where(compact_rows[:, None, None, None], sel.mask, valid)
         return sel
 
     def plan(self, batch: ChunkBatch, layer: int = 0, pooled_keys: torch.Tensor | None = None,
-             compact_rows: torch.Tensor | None = None, buffers: PlanBuffers | None = None) -> ChunkPlan:
-        """Search, union (with forced blocks and the density cap) and plan. No host sync on CUDA."""
+             compact_rows: torch.Tensor | None = None, buffers: PlanBuffers | None = None,
+             with_stats: bool = True) -> ChunkPlan:
+        """Search, union (with forced blocks and the density cap) and plan. No host sync on CUDA.
+
+        compact_rows: bool [B] requests on the compact path (None: all of them); the others read
+        every prefix block. with_stats: compute the densities (`ChunkPlan.stats`, else None).
+        """
         cfg = self.config
         if cfg.block_size != batch.page_size:
             raise ValueError(f"CompactConfig.block_size={cfg.block_size} differs from the KV page size {batch.page_size}")
         sel = self.select(batch, layer, pooled_keys, compact_rows)
         kv_blocks = batch.kv_blocks()
-        table, counts = union_table(sel.mask, batch.num_kv_heads, kv_blocks, cfg.sink_blocks, cfg.recent_blocks)
+        # a row selection is its own union: the kernel only adds the forced blocks and clips ([B, H_kv, 1, NKV])
+        union_in = sel.rows[:, :, None, :] if sel.rows is not None else sel.mask
+        table, counts = union_table(union_in, batch.num_kv_heads, kv_blocks, cfg.sink_blocks, cfg.recent_blocks)
         if cfg.density_cap is not None and sel.scores is not None:
             capped = apply_density_cap(table, sel.scores, kv_blocks, cfg.density_cap, cfg.sink_blocks,
                                        cfg.recent_blocks, max(batch.kv_blocks_cpu(), default=0))
@@ -115,7 +125,7 @@ class CompactAttention:
                 capped = torch.where(compact_rows[:, None, None], capped, table)
             table = capped
             counts = table.sum(-1, dtype=torch.int32)
-        stats = union_stats(sel.mask, table, kv_blocks, batch.q_blocks(cfg.block_size))
+        stats = union_stats(sel.mask, table, kv_blocks, batch.q_blocks(cfg.block_size)) if with_stats else None
         plan = build_plan(table, counts, batch.page_table, batch.prefix_lens, batch.cu_chunk, batch.page_size,
                           buffers=buffers, index_bound=batch.num_kv_heads * sum(batch.kv_blocks_cpu()))
         return ChunkPlan(table, plan, stats)

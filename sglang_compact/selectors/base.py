@@ -15,7 +15,6 @@ cap ranks by.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
@@ -29,10 +28,43 @@ from sglang_compact.kernels.union_naive import forced_blocks
 NEG_INF = float("-inf")
 
 
-@dataclass
 class Selection:
-    mask: torch.Tensor
-    scores: torch.Tensor | None = None
+    """A selector's output.
+
+    mask:   bool [B, H_q, NQ, NKV] (see the module docstring).
+    scores: float [B, H_q or H_kv, NQ, NKV] or None.
+    rows:   bool [B, H_kv, NKV] or None: set when the selection is the same for every query block
+            and every query head of a kv group (`budget`). The mask is then derived from it only
+            when asked for, and the union of such a selection is the rows themselves.
+    """
+
+    def __init__(self, mask: torch.Tensor | None = None, scores: torch.Tensor | None = None, *,
+                 rows: torch.Tensor | None = None, valid: torch.Tensor | None = None, group_size: int = 1):
+        if (mask is None) == (rows is None):
+            raise ValueError("Selection needs exactly one of mask and rows")
+        if rows is not None and valid is None:
+            raise ValueError("Selection(rows=...) needs valid (bool [B, 1, NQ, NKV]) to derive its mask")
+        self._mask, self.scores, self._rows, self._valid, self._group = mask, scores, rows, valid, group_size
+
+    @property
+    def rows(self) -> torch.Tensor | None:
+        return self._rows
+
+    @rows.setter
+    def rows(self, value: torch.Tensor) -> None:
+        if self._rows is None:
+            raise ValueError("this Selection is a mask, not rows")
+        self._rows, self._mask = value, None
+
+    @property
+    def mask(self) -> torch.Tensor:
+        if self._mask is None:
+            self._mask = (self._rows.repeat_interleave(self._group, dim=1)[:, :, None, :] & self._valid).contiguous()
+        return self._mask
+
+    @mask.setter
+    def mask(self, value: torch.Tensor) -> None:
+        self._mask, self._rows = value, None
 
 
 class Selector:
@@ -91,8 +123,8 @@ def registered_selectors() -> list[str]:
 # --- shared helpers -------------------------------------------------------------------
 
 def valid_cells(batch: ChunkBatch, q_block: int) -> torch.Tensor:
-    """bool [B, 1, NQ, NKV]: (query block, prefix block) cells that exist."""
-    return (batch.q_block_valid(q_block)[:, :, None] & batch.kv_block_valid()[:, None, :])[:, None]
+    """bool [B, 1, NQ, NKV]: (query block, prefix block) cells that exist (once per batch)."""
+    return batch.valid_cells(q_block)
 
 
 def pooled_keys_from_pool(batch: ChunkBatch) -> torch.Tensor:
@@ -161,7 +193,8 @@ def row_budget(n_blocks: int, fraction: float, sink_blocks: int, recent_blocks: 
 
 
 def top_blocks_per_row(row_scores: torch.Tensor, kv_blocks: torch.Tensor, max_blocks: int, fraction: float,
-                       sink_blocks: int, recent_blocks: int, allowed: torch.Tensor | None = None) -> torch.Tensor:
+                       sink_blocks: int, recent_blocks: int, allowed: torch.Tensor | None = None,
+                       batch: ChunkBatch | None = None) -> torch.Tensor:
     """Keep min(n_b, max(ceil(fraction * n_b), 1, forced)) blocks of each (request b, kv head) row:
     the forced (sink / recent) blocks first, then the best-scoring ones (equal scores in any order).
     The `budget` selector's ranking, and the density cap's (with `allowed` = the union table, of
@@ -170,25 +203,37 @@ def top_blocks_per_row(row_scores: torch.Tensor, kv_blocks: torch.Tensor, max_bl
     Args:
         row_scores: float [B, H_kv, NKV]; kv_blocks: int [B] (device); max_blocks: host bound on
             every row's count (max over the batch of n_b suffices); allowed: bool [B, H_kv, NKV]
-            cells that may be kept (default every valid prefix block).
+            cells that may be kept (default every valid prefix block); batch: the batch kv_blocks
+            belongs to, whose store keeps the per-batch part (bias, counts) for the next layers.
     Returns:
         bool [B, H_kv, NKV]
     """
     B, H, NKV = row_scores.shape
     dev = row_scores.device
-    n = kv_blocks.to(torch.long)[:, None]
-    valid = torch.arange(NKV, device=dev) < n                         # [B, NKV]
-    forced = forced_blocks(kv_blocks, NKV, sink_blocks, recent_blocks)
-    keepable = valid[:, None] if allowed is None else valid[:, None] & allowed
-    ranked = torch.where(forced[:, None], float("inf"),
-                         torch.where(keepable, row_scores.to(torch.float32), float("-inf")))
-    # the epsilon keeps 0.3 * 10 at 3 blocks, not 4
-    k = torch.ceil(n.to(torch.float64) * fraction - 1e-9).to(torch.long).clamp(min=1)
-    k = torch.minimum(torch.maximum(k, forced.sum(-1, keepdim=True)), n)  # [B, 1]
     k_max = min(max_blocks, NKV)
     if k_max <= 0:
         return torch.zeros(B, H, NKV, dtype=torch.bool, device=dev)
+
+    def per_batch():
+        n = kv_blocks.to(torch.long)[:, None]
+        valid = torch.arange(NKV, device=dev) < n                         # [B, NKV]
+        forced = forced_blocks(kv_blocks, NKV, sink_blocks, recent_blocks)
+        # +inf ranks forced blocks first, -inf puts blocks past the prefix last
+        bias = torch.zeros(B, 1, NKV, dtype=torch.float32, device=dev)
+        bias.masked_fill_(~valid[:, None], float("-inf")).masked_fill_(forced[:, None], float("inf"))
+        # the epsilon keeps 0.3 * 10 at 3 blocks, not 4
+        k = torch.ceil(n.to(torch.float64) * fraction - 1e-9).to(torch.long).clamp(min=1)
+        k = torch.minimum(torch.maximum(k, forced.sum(-1, keepdim=True)), n)  # [B, 1]
+        keep = torch.arange(k_max, device=dev)[None, None, :] < k[:, :, None]  # [B, 1, k_max]
+        return valid, forced, bias, keep
+
+    key = ("top_blocks_per_row", NKV, k_max, fraction, sink_blocks, recent_blocks)
+    valid, forced, bias, keep = batch.memo(key, per_batch) if batch is not None else per_batch()
+    if allowed is None:
+        ranked = row_scores.to(torch.float32) + bias
+    else:
+        ranked = torch.where(forced[:, None], float("inf"),
+                             torch.where(valid[:, None] & allowed, row_scores.to(torch.float32), float("-inf")))
     top = ranked.topk(k_max, dim=-1).indices                          # [B, H, k_max], best first
-    keep = (torch.arange(k_max, device=dev)[None, None, :] < k[:, :, None]).expand(B, H, k_max)
-    out = torch.zeros(B, H, NKV, dtype=torch.bool, device=dev).scatter_(-1, top, keep)
+    out = torch.zeros(B, H, NKV, dtype=torch.bool, device=dev).scatter_(-1, top, keep.expand(B, H, k_max))
     return out if allowed is None else out & allowed

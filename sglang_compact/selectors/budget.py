@@ -30,7 +30,6 @@ class BudgetSelector(Selector):
             pooled_keys = pooled_keys_from_pool(batch)
         scores = pooled_block_scores(batch, pooled_keys, bs, group_max=True,
                                      query_stride=cfg.param("query_stride"))  # [B, H_kv, NQ, NKV]
-        rows = top_blocks_per_row(scores.amax(dim=2), batch.kv_blocks(), max(batch.kv_blocks_cpu(), default=0),
-                                  cfg.param("density"), cfg.sink_blocks, cfg.recent_blocks)
-        mask = rows.repeat_interleave(batch.group_size, dim=1)[:, :, None, :] & valid_cells(batch, bs)
-        return Selection(mask.contiguous(), scores)
+        rows = top_blocks_per_row(scores.amax(dim=2), batch.kv_blocks(), batch.max_kv_blocks,
+                                  cfg.param("density"), cfg.sink_blocks, cfg.recent_blocks, batch=batch)
+        return Selection(rows=rows, scores=scores, valid=valid_cells(batch, bs), group_size=batch.group_size)

@@ -12,6 +12,6 @@ class DenseSelector(Selector):
 
     def select(self, batch, layer=0, pooled_keys=None):
         bs = self.config.block_size
-        valid = valid_cells(batch, bs)
-        B, _, NQ, NKV = valid.shape
-        return Selection(valid.expand(B, batch.num_q_heads, NQ, NKV).contiguous(), None)
+        kv_valid = batch.kv_block_valid()  # [B, NKV]
+        rows = kv_valid[:, None, :].expand(batch.batch_size, batch.num_kv_heads, kv_valid.shape[1])
+        return Selection(rows=rows, valid=valid_cells(batch, bs), group_size=batch.group_size)

@@ -240,7 +240,8 @@ class CompactAttnBackend(AttentionBackend):
             rows = self.compact.row_blocks(prefix, compact_cpu) if self.executor.backend == "fa3" else None
             self.executor.begin_forward(prefix, chunk, self.num_q_heads, self.num_kv_heads,
                                         self.head_dim, self.page_size, self.pool.dtype, self.sm_scale, rows)
-        compact_rows = torch.tensor(compact_cpu).to(self.device, non_blocking=True)
+        # None when every request is on the compact path (the common case): nothing to override per layer
+        compact_rows = None if all(compact_cpu) else torch.tensor(compact_cpu).to(self.device, non_blocking=True)
         self.telemetry.begin_forward(prefix, chunk, compact_cpu)
         return ExtendMetadata(template, compact_rows, any(compact_cpu), any_prefix)
 
@@ -344,9 +345,12 @@ class CompactAttnBackend(AttentionBackend):
         if md.any_compact:
             pooled = None
             if self.summaries is not None:
-                pooled = self.summaries.pooled(layer_idx, batch.page_table[:, :batch.max_kv_blocks])
-            cp = self.compact.plan(batch, layer_idx, pooled, md.compact_rows, buffers=buffers)
-            self.telemetry.record(layer_idx, cp.stats, cp.table)
+                pages = batch.memo(("prefix_pages",), lambda: batch.page_table[:, :batch.max_kv_blocks].long())
+                pooled = self.summaries.pooled(layer_idx, pages)
+            cp = self.compact.plan(batch, layer_idx, pooled, md.compact_rows, buffers=buffers,
+                                   with_stats=self.telemetry.wants_stats())
+            if cp.stats is not None:
+                self.telemetry.record(layer_idx, cp.stats, cp.table)
         else:
             cp = self.compact.plan_dense(batch, buffers=buffers)
         o = self.compact.executor.run(batch, cp.plan)

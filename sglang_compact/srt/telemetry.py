@@ -141,6 +141,11 @@ class CompactTelemetry:
             return sel
         return select_keeping_mask
 
+    def wants_stats(self) -> bool:
+        """Whether a forward pass's densities will be read (metrics on, or debug logging): when not,
+        the layers skip computing them."""
+        return self.metrics is not None or logger.isEnabledFor(logging.DEBUG)
+
     def begin_forward(self, prefix_lens, chunk_lens, compact_rows) -> None:
         self.flush()
         self._batch = (list(prefix_lens), list(chunk_lens), list(compact_rows))
@@ -154,8 +159,7 @@ class CompactTelemetry:
     def flush(self) -> dict | None:
         """Summarise the previous forward pass: one device->host copy of all its scalars,
         and none at all when neither metrics nor debug logging would use them."""
-        wanted = self.metrics is not None or logger.isEnabledFor(logging.DEBUG)
-        if not self._stats or self._batch is None or not wanted:
+        if not self._stats or self._batch is None or not self.wants_stats():
             self._stats.clear()
             self._coverage.clear()
             return None

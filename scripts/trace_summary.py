@@ -1,0 +1,131 @@
+"""Summarise a torch-profiler Chrome trace (what SGLang's `/start_profile` writes): is the forward
+pass GPU-bound or host-bound, and where does the time go.
+
+    python scripts/trace_summary.py TRACE.json[.gz] [--steps N] [--json OUT.json]
+
+Figures (milliseconds; per step = divided by --steps, the forward passes the trace holds):
+  span       first GPU kernel start -> last kernel end (CPU-only traces: first -> last CPU op)
+  gpu_busy   union of the kernel / memcpy / memset intervals
+  gpu_idle   span - gpu_busy: time the GPU waited for the host
+  kernels    kernel launches, and the top kernels by total time
+  runtime    CUDA runtime calls by total time (cudaStreamSynchronize / cudaMemcpy* D2H are host syncs)
+  cpu_ops    top-level CPU ops (not nested in another op of the same thread) by total time
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import gzip
+import json
+import sys
+from pathlib import Path
+
+GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+RUNTIME_CATS = ("cuda_runtime", "cuda_driver")
+
+
+def load_trace(path: str | Path) -> list[dict]:
+    path = Path(path)
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt") as f:
+        data = json.load(f)
+    events = data["traceEvents"] if isinstance(data, dict) else data
+    return [e for e in events if e.get("ph") == "X" and "dur" in e and "ts" in e]
+
+
+def union_length(intervals: list[tuple[float, float]]) -> float:
+    total, end = 0.0, float("-inf")
+    for s, e in sorted(intervals):
+        if e <= end:
+            continue
+        total += e - max(s, end)
+        end = e
+    return total
+
+
+def top(counter: dict[str, list[float]], k: int, steps: int) -> list[dict]:
+    rows = sorted(counter.items(), key=lambda kv: -sum(kv[1]))[:k]
+    return [{"name": name[:100], "calls_per_step": len(d) / steps, "ms_per_step": sum(d) / 1000 / steps}
+            for name, d in rows]
+
+
+def top_level(ops: list[dict]) -> list[dict]:
+    """Ops not contained in an earlier op of the same (pid, tid)."""
+    out = []
+    by_thread = collections.defaultdict(list)
+    for e in ops:
+        by_thread[(e.get("pid"), e.get("tid"))].append(e)
+    for evs in by_thread.values():
+        end = float("-inf")
+        for e in sorted(evs, key=lambda e: (e["ts"], -e["dur"])):
+            if e["ts"] >= end:
+                out.append(e)
+                end = e["ts"] + e["dur"]
+    return out
+
+
+def summarize(events: list[dict], steps: int = 1, k: int = 12) -> dict:
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
+    gpu = [e for e in events if e.get("cat") in GPU_CATS]
+    runtime = [e for e in events if e.get("cat") in RUNTIME_CATS]
+    cpu_ops = [e for e in events if e.get("cat") == "cpu_op"]
+    timed = gpu or cpu_ops
+    if not timed:
+        raise ValueError("trace holds no GPU kernels and no CPU ops")
+    span = max(e["ts"] + e["dur"] for e in timed) - min(e["ts"] for e in timed)
+    busy = union_length([(e["ts"], e["ts"] + e["dur"]) for e in gpu])
+    kernels, calls, ops = (collections.defaultdict(list) for _ in range(3))
+    for e in gpu:
+        kernels[e["name"]].append(e["dur"])
+    for e in runtime:
+        calls[e["name"]].append(e["dur"])
+    for e in top_level(cpu_ops):
+        ops[e["name"]].append(e["dur"])
+    return {
+        "steps": steps,
+        "span_ms_per_step": span / 1000 / steps,
+        "gpu_busy_ms_per_step": busy / 1000 / steps,
+        "gpu_idle_frac": (1 - busy / span) if gpu and span > 0 else None,
+        "kernels_per_step": len([e for e in gpu if e.get("cat") == "kernel"]) / steps,
+        "top_kernels": top(kernels, k, steps),
+        "top_runtime_calls": top(calls, 8, steps),
+        "top_cpu_ops": top(ops, k, steps),
+    }
+
+
+def render(summary: dict, title: str = "") -> str:
+    s = summary
+    idle = "n/a (no GPU events)" if s["gpu_idle_frac"] is None else f"{100 * s['gpu_idle_frac']:.1f}%"
+    lines = [f"## {title}" if title else "", "",
+             f"per step ({s['steps']} steps): span {s['span_ms_per_step']:.2f} ms, GPU busy "
+             f"{s['gpu_busy_ms_per_step']:.2f} ms, GPU idle {idle}, {s['kernels_per_step']:.0f} kernels", ""]
+    for key, head in (("top_kernels", "kernel"), ("top_runtime_calls", "runtime call"), ("top_cpu_ops", "CPU op")):
+        if not s[key]:
+            continue
+        lines += [f"| {head} | calls/step | ms/step |", "|---|---|---|"]
+        lines += [f"| `{r['name']}` | {r['calls_per_step']:.1f} | {r['ms_per_step']:.3f} |" for r in s[key]]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("trace")
+    ap.add_argument("--steps", type=int, default=1, help="forward passes in the trace (for per-step figures)")
+    ap.add_argument("--json", default=None, help="also write the summary here")
+    a = ap.parse_args(argv)
+    try:
+        s = summarize(load_trace(a.trace), a.steps)
+    except (OSError, ValueError, KeyError) as e:
+        print(f"error: {a.trace}: {e}", file=sys.stderr)
+        return 2
+    print(render(s, Path(a.trace).name))
+    if a.json:
+        Path(a.json).write_text(json.dumps(s, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
