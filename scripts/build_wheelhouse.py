@@ -30,7 +30,7 @@ packages, sha256 and size of every other file) and `install.sh`, which checks
 the hashes and the interpreter, then installs the pinned set with
 `pip install --no-index --find-links wheels --no-deps` (extra arguments, e.g.
 `--target DIR`, are passed to pip). The node must already have what the pinned
-set leaves out: torch 2.11.0+cu130, triton, transformers, numpy, ...
+set leaves out: torch 2.11.0+cu130, triton, numpy, huggingface-hub, ...
 
 Exit status: 0 done, 1 a download/build failed, 2 bad arguments.
 """
@@ -159,8 +159,8 @@ def arch_notes(cuda_arch: str, trim: bool = True) -> dict:
             "default on Hopper is fa3.",
             f"flashinfer-python compiles its kernels just in time for {sm} on first use (needs nvcc / "
             "CUDA_HOME); carry a JIT cache built at the same absolute path to skip that.",
-            "Not included (the node must have them): torch 2.11.0+cu130, triton 3.6, transformers, tokenizers, "
-            "numpy, safetensors and their dependencies.",
+            "Not included (the node must have them): torch 2.11.0+cu130, triton 3.6, numpy, safetensors, "
+            "huggingface-hub and the other dependencies of transformers (which is included, at SGLang's pin).",
         ],
     }
 

@@ -40,7 +40,8 @@ def pyproject_pins() -> dict[str, str]:
 def test_pins_file_matches_the_known_good_host_set_and_pyproject():
     items = bw.read_pins(bw.DEFAULT_REQUIREMENTS)
     pins = {i.name: i.version for i in items}
-    assert len(items) == len(pins) == 36  # the 35 of the GPU host bundle + prometheus-client
+    assert len(items) == len(pins) == 38  # the 35 of the GPU host bundle + prometheus-client + SGLang's
+    assert pins["transformers"] == "5.12.1" and pins["tokenizers"] == "0.22.2"  # transformers / tokenizers pins
     for name, version in pyproject_pins().items():  # sglang, flashinfer-python
         assert pins[name] == version, name
     host = REPO_ROOT.parent / "shared" / "gpu-host" / "requirements.txt"
@@ -64,7 +65,7 @@ def test_dry_run_lists_every_pin_without_fetching(tmp_path):
     out = tmp_path / "wh.tar"
     r = run("--dry-run", "--out", str(out))
     text = r.stdout
-    assert "would fetch 36 and build 1 package(s)" in text
+    assert "would fetch 38 and build 1 package(s)" in text
     for spec in ("sglang==0.5.17", "flashinfer-python==0.6.15.post1", "sglang-kernel==0.4.5", "sglang-compact=="):
         assert spec in text, spec
     assert "--only-binary=:all: --no-deps --implementation cp --python-version 3.12" in text
