@@ -1057,7 +1057,7 @@ def main(argv=None) -> int:
     for ci, (hq, hk, bsz, ch, ctx) in enumerate(configs):
         base = dict(bench="attention", gpu=gpu, date=meta["date"], context=ctx, chunk=ch, batch=bsz, q_heads=hq,
                     kv_heads=hk, head_dim=args.head_dim, page_size=args.page_size, dtype=meta["dtype"], run_id=run_id,
-                    run_tag=run_tag, cmd=cmd, inputs=meta["inputs"])
+                    run_tag=run_tag, cmd=cmd, inputs=meta["inputs"], query_stride=args.query_stride)
         rows: list[dict] = []
         run, why, why_status = None, "", "skipped"
         if args.deadline_s is not None and time.time() - t_start > args.deadline_s:

@@ -167,7 +167,10 @@ def main() -> int:
             print(f"profile {pid}: no trace ({reply})", flush=True)
             return
         time.sleep(2)  # let the export finish
-        summary = trace_summary.summarize(trace_summary.load_trace(trace), a.profile_steps + 1)
+        events = trace_summary.load_trace(trace)
+        # the profiler may start and stop mid-pass: count the passes from the trace itself
+        steps = trace_summary.count_forward_passes(events, a.layers) or a.profile_steps + 1
+        summary = trace_summary.summarize(events, steps)
         summary.update(method=method, chunk=chunk, context=ctx, batch=bsz,
                        prefix_at_start=int(a.profile_at * n_tokens))
         profiles.append(summary)
@@ -223,8 +226,9 @@ def main() -> int:
     if profiles:
         (out / "profile_e2e.json").write_text(json.dumps(profiles, indent=1))
         md = [f"# E2E forward-pass profiles ({gpu}, {date})", "", f"Command: `{cmd}`", "",
-              f"SGLang's torch profiler on for {a.profile_steps} forward passes (+1 partial), started "
-              f"{a.profile_at:.0%} of the way through a prompt; per-step figures divide by {a.profile_steps + 1}.", ""]
+              f"SGLang's torch profiler asked for {a.profile_steps} forward passes, started "
+              f"{a.profile_at:.0%} of the way through a prompt; per-step figures divide by the forward passes "
+              f"the trace holds (paged attention kernel calls / {a.layers} layers).", ""]
         for p in profiles:
             md.append(trace_summary.render(p, f"{p['method']} chunk {p['chunk']} context {p['context']} "
                                               f"batch {p['batch']} (prefix ~{p['prefix_at_start']})"))

@@ -1,9 +1,10 @@
 """Summarise a torch-profiler Chrome trace (what SGLang's `/start_profile` writes): is the forward
 pass GPU-bound or host-bound, and where does the time go.
 
-    python scripts/trace_summary.py TRACE.json[.gz] [--steps N] [--json OUT.json]
+    python scripts/trace_summary.py TRACE.json[.gz] [--steps N | --layers L] [--json OUT.json]
 
-Figures (milliseconds; per step = divided by --steps, the forward passes the trace holds):
+Figures (milliseconds; per step = divided by the forward passes the trace holds: --steps, or counted as
+the calls of the once-per-layer paged attention kernel over --layers):
   span       first GPU kernel start -> last kernel end (CPU-only traces: first -> last CPU op)
   gpu_busy   union of the kernel / memcpy / memset intervals
   gpu_idle   span - gpu_busy: time the GPU waited for the host
@@ -65,9 +66,28 @@ def top_level(ops: list[dict]) -> list[dict]:
     return out
 
 
-def summarize(events: list[dict], steps: int = 1, k: int = 12) -> dict:
-    if steps < 1:
-        raise ValueError(f"steps must be >= 1, got {steps}")
+def count_forward_passes(events: list[dict], layers: int, kernel_substring: str = "Paged") -> float:
+    """Forward passes in a trace: calls of the kernel that runs once per attention layer (FlashInfer's paged
+    prefill, fa2 or fa3: its name contains "Paged") divided by the model's layers."""
+    calls = sum(1 for e in events if e.get("cat") == "kernel" and kernel_substring in e.get("name", ""))
+    return calls / layers
+
+
+def restep(summary: dict, steps: float) -> dict:
+    """The same summary divided by another step count (e.g. one counted from the trace afterwards)."""
+    f = summary["steps"] / steps
+    out = dict(summary, steps=steps)
+    for key in ("span_ms_per_step", "gpu_busy_ms_per_step", "kernels_per_step"):
+        out[key] = summary[key] * f
+    for key in ("top_kernels", "top_runtime_calls", "top_cpu_ops"):
+        out[key] = [dict(r, calls_per_step=r["calls_per_step"] * f, ms_per_step=r["ms_per_step"] * f)
+                    for r in summary[key]]
+    return out
+
+
+def summarize(events: list[dict], steps: float = 1, k: int = 12) -> dict:
+    if not steps > 0:
+        raise ValueError(f"steps must be > 0, got {steps}")
     gpu = [e for e in events if e.get("cat") in GPU_CATS]
     runtime = [e for e in events if e.get("cat") in RUNTIME_CATS]
     cpu_ops = [e for e in events if e.get("cat") == "cpu_op"]
@@ -99,7 +119,7 @@ def render(summary: dict, title: str = "") -> str:
     s = summary
     idle = "n/a (no GPU events)" if s["gpu_idle_frac"] is None else f"{100 * s['gpu_idle_frac']:.1f}%"
     lines = [f"## {title}" if title else "", "",
-             f"per step ({s['steps']} steps): span {s['span_ms_per_step']:.2f} ms, GPU busy "
+             f"per step ({s['steps']:g} steps): span {s['span_ms_per_step']:.2f} ms, GPU busy "
              f"{s['gpu_busy_ms_per_step']:.2f} ms, GPU idle {idle}, {s['kernels_per_step']:.0f} kernels", ""]
     for key, head in (("top_kernels", "kernel"), ("top_runtime_calls", "runtime call"), ("top_cpu_ops", "CPU op")):
         if not s[key]:
@@ -113,11 +133,15 @@ def render(summary: dict, title: str = "") -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("trace")
-    ap.add_argument("--steps", type=int, default=1, help="forward passes in the trace (for per-step figures)")
+    ap.add_argument("--steps", type=float, default=None, help="forward passes in the trace (for per-step figures)")
+    ap.add_argument("--layers", type=int, default=None,
+                    help="count the forward passes instead: paged attention kernel calls / this many layers")
     ap.add_argument("--json", default=None, help="also write the summary here")
     a = ap.parse_args(argv)
     try:
-        s = summarize(load_trace(a.trace), a.steps)
+        events = load_trace(a.trace)
+        steps = a.steps if a.steps else (count_forward_passes(events, a.layers) if a.layers else 1)
+        s = summarize(events, steps)
     except (OSError, ValueError, KeyError) as e:
         print(f"error: {a.trace}: {e}", file=sys.stderr)
         return 2

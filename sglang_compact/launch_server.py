@@ -86,8 +86,22 @@ def prepare(argv: Sequence[str]):
     return server_args
 
 
+def compact_help() -> str:
+    """The `--compact-*` flags' help (SGLang's parser, which prints the rest, does not know them)."""
+    import argparse
+
+    from sglang_compact.srt.args import add_compact_args
+    parser = argparse.ArgumentParser(prog=PROG, add_help=False, usage=argparse.SUPPRESS)
+    add_compact_args(parser)
+    return parser.format_help()
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if any(a in ("-h", "--help") for a in argv):
+        print(f"{PROG} takes every sglang.launch_server flag (listed after these) and:\n")
+        print(compact_help())
+        sys.stdout.flush()
     try:
         server_args = prepare(argv)
     except LaunchError as e:

@@ -118,3 +118,15 @@ def test_bad_flags_exit_with_one_line_reason(model_dir, flags, reason):
     assert r.returncode == 2, r.stderr[-3000:]
     last = r.stderr.strip().splitlines()[-1]
     assert last.startswith("sglang_compact.launch_server: error: ") and reason in last, last
+
+
+def test_help_lists_the_compact_flags_and_sglangs():
+    cmd = [sys.executable, "-m", "sglang_compact.launch_server", "--help"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, **SERVER_ENV},
+                       cwd=REPO_ROOT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    for flag in ("--compact-selector", "--compact-density", "--compact-prefill-kernel", "--compact-min-prefix-len"):
+        assert flag in r.stdout
+    assert "--chunked-prefill-size" in r.stdout and r.stdout.index("--compact-selector") < r.stdout.index(
+        "--chunked-prefill-size")
+

@@ -143,3 +143,8 @@ def test_results_markdown_and_append(tmp_path):
         R.append_rows([{"model": "m"}], path)
     written = R.regenerate(path)
     assert path.with_suffix(".md") in written
+    assert "## How" not in path.with_suffix(".md").read_text()
+    (tmp_path / "accuracy_notes.md").write_text("## How these were run\n\ncommands\n")
+    R.regenerate(path)
+    text = path.with_suffix(".md").read_text()
+    assert text.endswith("## How these were run\n\ncommands\n") and text.index("| dense |") < text.index("## How")

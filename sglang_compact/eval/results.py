@@ -137,9 +137,15 @@ def render_plot(rows: list[dict[str, Any]], path: Path) -> bool:
 
 
 def regenerate(json_path: Path = ACCURACY_JSON) -> list[Path]:
+    """Write `<name>.md` (the tables, then `<name>_notes.md` when it exists beside the json: the hand-written
+    commands and reading of the runs) and `<name>.png`."""
     rows = load_rows(json_path)
     md = json_path.with_suffix(".md")
-    md.write_text(render_markdown(rows))
+    text = render_markdown(rows)
+    notes = json_path.with_name(json_path.stem + "_notes.md")
+    if notes.is_file():
+        text = text.rstrip("\n") + "\n\n" + notes.read_text()
+    md.write_text(text)
     out = [md]
     png = json_path.with_suffix(".png")
     if render_plot(rows, png):
