@@ -35,18 +35,21 @@ class ChunkPlan:
 
 
 def apply_density_cap(table: torch.Tensor, scores: torch.Tensor, kv_blocks: torch.Tensor, cap: float,
-                      sink_blocks: int, recent_blocks: int, max_blocks: int) -> torch.Tensor:
+                      sink_blocks: int, recent_blocks: int, max_blocks: int,
+                      batch: ChunkBatch | None = None) -> torch.Tensor:
     """Limit each row of the table to max(ceil(cap * n_b), forced) blocks (never dropping forced blocks).
 
     Blocks are ranked by their best score over the row's query heads and query blocks.
 
     Args:
         table: bool [B, H_kv, NKV]; scores: float [B, H_q or H_kv, NQ, NKV]; kv_blocks: int [B];
-        max_blocks: host bound on n_b.
+        max_blocks: host bound on n_b; batch: the batch kv_blocks belongs to (keeps the ranking's
+        per-batch part for the next layers).
     """
     B, H_kv, NKV = table.shape
     row = scores.reshape(B, H_kv, scores.shape[1] // H_kv * scores.shape[2], NKV).amax(dim=2)
-    return top_blocks_per_row(row, kv_blocks, max_blocks, cap, sink_blocks, recent_blocks, allowed=table)
+    return top_blocks_per_row(row, kv_blocks, max_blocks, cap, sink_blocks, recent_blocks, allowed=table,
+                              batch=batch)
 
 
 class CompactAttention:
@@ -120,7 +123,7 @@ class CompactAttention:
         table, counts = union_table(union_in, batch.num_kv_heads, kv_blocks, cfg.sink_blocks, cfg.recent_blocks)
         if cfg.density_cap is not None and sel.scores is not None:
             capped = apply_density_cap(table, sel.scores, kv_blocks, cfg.density_cap, cfg.sink_blocks,
-                                       cfg.recent_blocks, max(batch.kv_blocks_cpu(), default=0))
+                                       cfg.recent_blocks, batch.max_kv_blocks, batch=batch)
             if compact_rows is not None:
                 capped = torch.where(compact_rows[:, None, None], capped, table)
             table = capped

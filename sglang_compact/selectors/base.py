@@ -34,7 +34,7 @@ class Selection:
     mask:   bool [B, H_q, NQ, NKV] (see the module docstring).
     scores: float [B, H_q or H_kv, NQ, NKV] or None.
     rows:   bool [B, H_kv, NKV] or None: set when the selection is the same for every query block
-            and every query head of a kv group (`budget`). The mask is then derived from it only
+            and every query head of a kv group (`budget`, `dense`). The mask is then derived from it only
             when asked for, and the union of such a selection is the rows themselves.
     """
 
