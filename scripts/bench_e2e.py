@@ -50,7 +50,11 @@ except ImportError:  # pragma: no cover
 
 
 def method_args(method: str) -> tuple[str, list[str], float | None]:
-    """(module, backend flags, density) of a method name."""
+    """(module, backend flags, density) of a method name; a `_nofinal` suffix on a compact method adds
+    `--compact-dense-final-chunk off` (every chunk compact, the last included)."""
+    if method.startswith("compact") and method.endswith("_nofinal"):
+        module, flags, density = method_args(method.removesuffix("_nofinal"))
+        return module, flags + ["--compact-dense-final-chunk", "off"], density
     if method == "flashinfer":
         return "sglang.launch_server", ["--attention-backend", "flashinfer"], 1.0
     if method.startswith("compact_budget_"):

@@ -16,7 +16,7 @@ PREFILL_KERNELS = ("auto", "fa2", "fa3")
 
 # Per-selector parameters: name -> (default, min, max, kind). Bounds are inclusive.
 SELECTOR_PARAMS: dict[str, dict[str, tuple[Any, float, float, type]]] = {
-    "flashprefill": {"alpha": (0.06, 0.0, 1.0, float), "query_stride": (1, 1, 16, int)},
+    "flashprefill": {"alpha": (0.4, 0.0, 1.0, float), "query_stride": (1, 1, 16, int)},
     "xattention": {"threshold": (0.9, 0.0, 1.0, float), "stride": (8, 1, 16, int)},
     "oracle": {"top_p": (0.95, 0.0, 1.0, float)},
     "dense": {},
@@ -52,6 +52,11 @@ class CompactConfig:
             row's length on the host, e.g. `budget`; otherwise a plan per layer
             with a device->host sync), or "auto" (fa3 on sm90 for selectors
             that fix the row lengths other than `dense`, else fa2). Ignored on CPU.
+        dense_final_chunk: a request's last prompt chunk (the one whose logits
+            give the first output token: the question of a long-context
+            prompt) reads its whole prefix; the earlier chunks take the
+            compact path. One chunk of a long prompt, so little time; it counts
+            as density 1.0 in the telemetry.
     """
 
     block_size: int = 64
@@ -62,6 +67,7 @@ class CompactConfig:
     min_prefix_len: int = 4096
     density_cap: float | None = None
     prefill_kernel: str = "auto"
+    dense_final_chunk: bool = True
 
     def __post_init__(self) -> None:
         bs = self.block_size
@@ -73,6 +79,8 @@ class CompactConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
                 _fail(name, f"must be an integer >= {lo}", v)
+        if not isinstance(self.dense_final_chunk, bool):
+            _fail("dense_final_chunk", "must be a bool", self.dense_final_chunk)
         if self.prefill_kernel not in PREFILL_KERNELS:
             _fail("prefill_kernel", f"must be one of {', '.join(PREFILL_KERNELS)}", self.prefill_kernel)
         cap = self.density_cap
@@ -121,6 +129,7 @@ class CompactConfig:
     def replace(self, **changes: Any) -> "CompactConfig":
         return dataclasses.replace(self, **changes)
 
-    def uses_compact_path(self, prefix_len: int) -> bool:
-        """Whether a chunk whose cached prefix has `prefix_len` tokens takes the compact path."""
-        return prefix_len > 0 and prefix_len >= self.min_prefix_len
+    def uses_compact_path(self, prefix_len: int, final_chunk: bool = False) -> bool:
+        """Whether a chunk whose cached prefix has `prefix_len` tokens takes the compact path
+        (`final_chunk`: it is the request's last prompt chunk, dense under `dense_final_chunk`)."""
+        return prefix_len > 0 and prefix_len >= self.min_prefix_len and not (final_chunk and self.dense_final_chunk)

@@ -9,7 +9,8 @@ on SmolLM2-135M-Instruct's real weights in float32:
    backend on 6 prompts;
 2. selector `flashprefill` serves a long prompt (chunks of one page); the same
    prompt again is served from the radix cache (cached_tokens > 0) with the
-   same tokens;
+   same tokens; with `--compact-dense-final-chunk off` every chunk from the
+   threshold on, the final ones included, takes the compact path (`/metrics`);
 3. bad `--compact-*` flags make `launch_server` exit 2 with a one-line reason.
 """
 
@@ -19,6 +20,7 @@ import os
 import random
 import subprocess
 import sys
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -90,16 +92,29 @@ def test_flashprefill_long_prompt_and_radix_cache(model_dir):
     # uncached run's last chunks over the same prefix: its tokens must be equal.
     ids = prompts(n=6, seed=1)[-1][:1200 + 5]
     args = COMPACT + ["--compact-selector", "flashprefill", "--compact-min-prefix-len", "256",
-                      "--compact-sink-blocks", "1", "--compact-recent-blocks", "2"]
+                      "--compact-sink-blocks", "1", "--compact-recent-blocks", "2",
+                      "--compact-dense-final-chunk", "off", "--enable-metrics"]
     with SGLangServer(model_dir, module="sglang_compact.launch_server", page_size=PAGE, chunked_prefill_size=PAGE,
                       extra_args=args) as srv:
         first, _ = greedy(srv, ids)
         again, meta = greedy(srv, ids)
         log = srv.log_path.read_text()
+        with urllib.request.urlopen(srv.base_url + "/metrics", timeout=60) as r:
+            metrics = r.read().decode()
     assert len(first) == NEW
-    assert int(meta["cached_tokens"]) > 0
+    assert int(meta["cached_tokens"]) == 1200
     assert again == first
-    assert "selector='flashprefill'" in log
+    assert "selector='flashprefill'" in log and "dense_final_chunk=False" in log
+    # first run: the chunks at prefixes 256, 272, ..., 1200 (60); the cached repeat: its one chunk at 1200
+    assert metric_value(metrics, "sglang:compact_chunks_total") == 61
+    assert metric_value(metrics, "sglang:compact_dense_final_chunks_total") == 0
+
+
+def metric_value(text: str, name: str) -> float:
+    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+              if line.startswith(name + "{") or line.startswith(name + " ")]
+    assert values, f"{name} is not on /metrics"
+    return sum(values)
 
 
 @pytest.mark.parametrize("flags, reason", [

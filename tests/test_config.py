@@ -5,7 +5,7 @@ from sglang_compact.config import SELECTOR_NAMES, CompactConfig
 
 def test_defaults_valid():
     c = CompactConfig()
-    assert c.selector == "flashprefill" and c.param("alpha") == pytest.approx(0.06)
+    assert c.selector == "flashprefill" and c.param("alpha") == pytest.approx(0.4)
     assert c.uses_compact_path(c.min_prefix_len) and not c.uses_compact_path(c.min_prefix_len - 1)
     assert not CompactConfig(min_prefix_len=0).uses_compact_path(0)
 

@@ -58,6 +58,18 @@ def test_dry_run_prints_the_plan(acc, tmp_path, capsys):
     assert not (tmp_path / "accuracy.json").exists()
 
 
+def test_dense_final_chunk_per_method(acc, tmp_path, capsys):
+    specs = ["compact:flashprefill:alpha=0.06", "compact:flashprefill:alpha=0.06,dense_final_chunk=0"]
+    assert acc.main(["--dry-run", "--out", str(tmp_path), "--methods", *specs, "--hf-methods"]) == 0
+    cmds = [line for line in capsys.readouterr().out.splitlines() if " -m sglang_compact" in line]
+    assert len(cmds) == 2
+    on, off = cmds
+    assert "--compact-dense-final-chunk on" in on and "--compact-dense-final-chunk off" in off
+    assert "--compact-selector-params '{\"alpha\": 0.06}'" in off  # not a selector parameter
+    with pytest.raises(ValueError, match="dense_final_chunk must be 0 or 1"):
+        acc.main(["--dry-run", "--out", str(tmp_path), "--methods", "compact:flashprefill:dense_final_chunk=2"])
+
+
 def test_bad_methods(acc, tmp_path):
     with pytest.raises(ValueError, match="in-process"):
         acc.main(["--dry-run", "--out", str(tmp_path), "--methods", "quoka"])
@@ -195,7 +207,7 @@ def test_rows_from_a_fake_server(acc, tmp_path):
             "smollm2-135m-instruct", "niah_single_number", 2048, 4, "h200")
         assert r["accuracy"] == 50.0
     assert c["params"] == {"alpha": 0.2, "chunk": 256, "page_size": 32, "min_prefix_len": 512, "sink_blocks": 2,
-                           "recent_blocks": 4}
+                           "recent_blocks": 4, "dense_final_chunk": 1}
     assert c["density"] == 0.25 and c["density_source"] == C.SERVER_DENSITY_SOURCE
     assert d["density"] is None and d["density_source"] is None and d["params"]["backend"] == "flashinfer"
     # HF rows: density from each record's own `density`
@@ -208,24 +220,36 @@ def test_rows_from_a_fake_server(acc, tmp_path):
     assert "compact:flashprefill:alpha=0.2" in table and "0.250 4x1" in table and "hf quoka" in table
 
 
-def test_cli_params_unchanged_by_the_refactor():
-    """The CPU preset's params are those of the rows already in accuracy.json."""
+def test_cli_params_of_the_presets():
+    """The CPU preset's params: those of the rows already in accuracy.json, plus `dense_final_chunk` (rows from
+    before that option have no such key; they ran with every chunk compact, i.e. 0)."""
     ns = argparse.Namespace(start="cpu-compact", selector="flashprefill", selector_params=None, alpha=0.06,
                             threshold=None, top_p=None, budget_density=None, chunk=256, page_size=32,
                             min_prefix_len=512, sink_blocks=2, recent_blocks=4)
-    assert C.method_and_params(ns) == ("compact-flashprefill", {"alpha": 0.06, "chunk": 256, "page_size": 32,
-                                                                "min_prefix_len": 512, "sink_blocks": 2,
-                                                                "recent_blocks": 4})
+    assert C.method_and_params(ns) == ("compact-flashprefill", {"alpha": 0.06, "dense_final_chunk": 1, "chunk": 256,
+                                                                "page_size": 32, "min_prefix_len": 512,
+                                                                "sink_blocks": 2, "recent_blocks": 4})
+    ns.dense_final_chunk = "off"
+    assert C.method_and_params(ns)[1]["dense_final_chunk"] == 0
+    flags = C.compact_server_args("flashprefill", C.selector_params(ns), 512, 2, 4)
+    assert flags[flags.index("--compact-dense-final-chunk") + 1] == "off"
+    assert json.loads(flags[flags.index("--compact-selector-params") + 1]) == {"alpha": 0.06}
+    del ns.dense_final_chunk
     ns.start = "cpu-compact-dense"
     assert C.method_and_params(ns)[1] == {"chunk": 256, "page_size": 32, "min_prefix_len": 512, "sink_blocks": 2,
                                           "recent_blocks": 4}
     ns.start, ns.selector, ns.alpha = "cpu-compact", "budget", None
-    assert C.method_and_params(ns) == ("compact-budget", {"density": 0.3, "chunk": 256, "page_size": 32,
-                                                          "min_prefix_len": 512, "sink_blocks": 2,
+    assert C.method_and_params(ns) == ("compact-budget", {"density": 0.3, "dense_final_chunk": 1, "chunk": 256,
+                                                          "page_size": 32, "min_prefix_len": 512, "sink_blocks": 2,
                                                           "recent_blocks": 4})
     ns.start, ns.hf_method = "hf", "quoka"
     name, params = C.method_and_params(ns)
     assert name == "quoka" and "dtype" not in params and params["runner"] == "hf"
+    assert "dense_final_chunk" not in params  # the baseline as published: every chunk sparse
+    ns.hf_method = "blocksparse:flashprefill:alpha=0.06"
+    assert C.method_and_params(ns)[1]["dense_final_chunk"] == 1
+    ns.hf_method = "blocksparse:flashprefill:alpha=0.06,dense_final_chunk=0"
+    assert C.method_and_params(ns)[1]["dense_final_chunk"] == 0
 
 
 def test_gpu_server_command(monkeypatch):

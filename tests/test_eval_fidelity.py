@@ -108,3 +108,24 @@ def test_hf_chunked_generation(tiny):
     for m in ("compact:budget:density=0.3", "blocksparse:budget:density=0.3", "quoka"):
         g = H.generate(model, ids, m, **kw)
         assert len(g.output_ids) == 6 and 0 < g.density < 1, m
+
+
+def test_dense_final_chunk_in_the_replay_and_the_hf_runner(tiny):
+    """`dense_final_chunk` (on by default for compact/blocksparse): the prompt's last chunk reads every prefix block,
+    at density 1.0 and zero error, in the offline replay and in the HF runner alike; the earlier chunks are the same."""
+    from sglang_compact.eval import hf_runner as H
+    model, ids = tiny
+    on, off = "compact:budget:density=0.3", "compact:budget:density=0.3,dense_final_chunk=0"
+    assert F.parse_method(on).dense_final_chunk and not F.parse_method(off).dense_final_chunk
+    assert not F.parse_method("quoka").dense_final_chunk and F.parse_method("quoka:dense_final_chunk=1").dense_final_chunk
+    layers = F.capture_qkv(model, ids)
+    r = F.simulate(layers, [on, off], chunk=CHUNK, page_size=PAGE, min_prefix_len=CHUNK, sink_blocks=1,
+                   recent_blocks=1)
+    s_on, s_off = r.summary()["compact-budget(density=0.3)"], r.summary()["compact-budget(dense_final_chunk=0,density=0.3)"]
+    # 4 compact chunks per layer; only the last differs: (3x + 1) / 4 against (3x + y) / 4, y < 1
+    assert 0 < s_on["density"] - s_off["density"] < 0.25
+    assert s_on["rel_err"] < s_off["rel_err"] and s_on["recall"] > s_off["recall"]
+    kw = dict(max_new_tokens=4, chunk=CHUNK, page_size=PAGE, min_prefix_len=CHUNK, sink_blocks=1, recent_blocks=1)
+    g_on, g_off = H.generate(model, ids, on, **kw), H.generate(model, ids, off, **kw)
+    # 2 layers x 4 chunks each: the last chunk's two entries are 1.0 against y0 + y1 < 2
+    assert 0 < (g_on.density - g_off.density) * 8 < 2

@@ -73,8 +73,19 @@ def test_flush_summarises_the_previous_forward_pass():
     assert s["density_selected"] == pytest.approx(0.3) and s["density_after_group"] == pytest.approx(0.6)
     assert s["coverage"] == 1.0  # no density cap: nothing measured, 1.0 by construction
     assert s["compact_chunks"] == 1 and s["compact_tokens"] == 128
-    assert t.totals == {"forward_passes": 1, "compact_rows": 1, "compact_tokens": 128}
+    assert t.totals == {"forward_passes": 1, "compact_rows": 1, "compact_tokens": 128, "dense_final_chunks": 0}
     assert t.flush() is None and len(metrics.summaries) == 1  # the second pass recorded nothing
+
+
+def test_a_dense_final_chunk_counts_at_density_one():
+    metrics = RecordingMetrics()
+    t = CompactTelemetry(num_layers=2, metrics=metrics)
+    t.begin_forward([768], [32], [False], [True])  # the request's last chunk, read dense by the policy
+    for layer in range(2):
+        t.record(layer, FakeStats(1.0, 1.0, 1.0))
+    s = t.flush()
+    assert s["dense_final_chunks"] == 1 and s["compact_chunks"] == 0 and s["density_after_group"] == 1.0
+    assert t.totals["dense_final_chunks"] == 1 and t.totals["forward_passes"] == 1
 
 
 def test_selection_coverage():
@@ -187,14 +198,19 @@ def test_metrics_endpoint_of_a_compact_server():
     samples = parse_metrics(text)
     assert ("sglang:num_running_reqs", ()) in samples  # SGLang's own scheduler series are there too
     chunks = samples[("sglang:compact_chunks_total", ())]
-    assert chunks >= 4, chunks  # every chunk from a 256-token prefix on (the last decode flushes the last one)
-    assert samples[("sglang:compact_tokens_total", ())] >= 4 * 128 - 128
-    assert samples[("sglang:compact_forward_passes_total", ())] == chunks
+    # prefixes 256, 384, 512, 640 take the compact path; the last chunk (prefix 768, 32 tokens) is the
+    # request's final one, read dense (dense_final_chunk, on by default): the plugin's ForwardBatch hook works
+    assert chunks == 4, chunks
+    assert samples[("sglang:compact_tokens_total", ())] == 4 * 128
+    assert samples[("sglang:compact_dense_final_chunks_total", ())] == 1
+    passes = samples[("sglang:compact_forward_passes_total", ())]
+    assert passes == chunks + 1
     assert 0 < samples[("sglang:compact_coverage", ())] <= 1
     for layer in range(num_layers):
         d = {stage: samples[("sglang:compact_density", (("layer", str(layer)), ("stage", stage)))] for stage in STAGES}
         # (the cap may take the group union below the q-block union: no order between those two)
         assert 0 < d["selected"] <= d["after_q"] <= 1 and 0 < d["after_group"] <= 1, (layer, d)
     for stage in STAGES:
-        assert samples[("sglang:compact_density_forward_count", (("stage", stage),))] == chunks
-        assert samples[("sglang:compact_density_forward_sum", (("stage", stage),))] > 0
+        assert samples[("sglang:compact_density_forward_count", (("stage", stage),))] == passes
+        # the dense final pass is in the mean at 1.0
+        assert 1.0 < samples[("sglang:compact_density_forward_sum", (("stage", stage),))] <= passes

@@ -11,8 +11,10 @@ greedy, `/flush_cache` before every prompt, density from the server's
 `/metrics`, never the offline replay). Server methods (`--methods`):
   dense                   stock `sglang.launch_server --attention-backend flashinfer`
   compact:SEL[:k=v,...]   `sglang_compact.launch_server --attention-backend compact --compact-selector SEL`
-                          (min prefix 512, sink 2, recent 4 as in the CPU rows; `--enable-metrics`)
-HF methods (`--hf-methods`, e.g. quoka, blocksparse:flashprefill:alpha=0.06) run
+                          (min prefix 512, sink 2, recent 4 as in the CPU rows; `--enable-metrics`);
+                          k=v may include dense_final_chunk=0|1 (`--compact-dense-final-chunk off|on`,
+                          default on), recorded in every compact row's params
+HF methods (`--hf-methods`, e.g. quoka, blocksparse:flashprefill:alpha=0.4) run
 in-process with HF transformers (`sglang_compact.eval.hf_runner`) on the GPU,
 in a child process of this script, alongside the servers, on the first
 `--hf-n` prompts of each cell.
@@ -72,10 +74,10 @@ from sglang_compact.eval.tasks import TASKS, LENGTHS  # noqa: E402
 
 DEFAULT_METHODS = (
     "dense",
-    "compact:flashprefill:alpha=0.06", "compact:flashprefill:alpha=0.2", "compact:flashprefill:alpha=0.4",
+    "compact:flashprefill:alpha=0.2", "compact:flashprefill:alpha=0.4", "compact:flashprefill:alpha=0.6",
     "compact:xattention:threshold=0.9", "compact:oracle:top_p=0.95", "compact:budget:density=0.3",
 )
-DEFAULT_HF_METHODS = ("quoka", "blocksparse:flashprefill:alpha=0.06")
+DEFAULT_HF_METHODS = ("quoka", "blocksparse:flashprefill:alpha=0.4")
 MEMORY_ERRORS = ("out of memory", "not enough memory", "leave no gpu memory", "outofmemoryerror")
 SKIP_FACTOR = 1.5   # a cell is not started when 1.5x its estimate already exceeds the time left
 

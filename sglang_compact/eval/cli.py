@@ -134,7 +134,19 @@ def selector_params(args) -> dict[str, Any]:
         v = getattr(args, flag, None)
         if v is not None:
             params[name] = v
+    dfc = getattr(args, "dense_final_chunk", None)
+    if dfc is not None:
+        params["dense_final_chunk"] = int(dfc == "on")
     return params
+
+
+def dense_final_chunk_of(params: dict[str, Any]) -> int:
+    """The `dense_final_chunk` (0/1) of a compact method's params: given, else `CompactConfig`'s default."""
+    from sglang_compact.config import CompactConfig
+    v = params.get("dense_final_chunk", int(CompactConfig.dense_final_chunk))
+    if v not in (0, 1):
+        raise ValueError(f"dense_final_chunk must be 0 or 1, got {v!r}")
+    return int(v)
 
 
 def compact_server_args(selector: str, params: dict[str, Any], min_prefix_len: int, sink_blocks: int,
@@ -142,9 +154,11 @@ def compact_server_args(selector: str, params: dict[str, Any], min_prefix_len: i
     """`sglang_compact.launch_server` flags of a compact method (with `--enable-metrics`, for the density)."""
     extra = ["--enable-metrics", "--attention-backend", "compact", "--compact-min-prefix-len", str(min_prefix_len),
              "--compact-sink-blocks", str(sink_blocks), "--compact-recent-blocks", str(recent_blocks),
-             "--compact-selector", selector]
-    if params:
-        extra += ["--compact-selector-params", json.dumps(params)]
+             "--compact-selector", selector,
+             "--compact-dense-final-chunk", "on" if dense_final_chunk_of(params) else "off"]
+    sel_params = {k: v for k, v in params.items() if k != "dense_final_chunk"}
+    if sel_params:
+        extra += ["--compact-selector-params", json.dumps(sel_params)]
     return extra
 
 
@@ -152,7 +166,7 @@ def compact_method_params(selector: str, params: dict[str, Any], *, chunk: int, 
                           min_prefix_len: int, sink_blocks: int, recent_blocks: int) -> tuple[str, dict[str, Any]]:
     """(method label, row params) of a compact server: the selector's parameters (defaults filled in) and
     the chunking / forced-block settings."""
-    params = {} if selector == "dense" else dict(params)
+    params = {} if selector == "dense" else {**params, "dense_final_chunk": dense_final_chunk_of(params)}
     if selector in SELECTOR_PARAM_FLAGS:
         from sglang_compact.config import SELECTOR_PARAMS
         name = SELECTOR_PARAM_FLAGS[selector]
@@ -170,6 +184,8 @@ def hf_method_params(hf_method: str, *, chunk: int, page_size: int, min_prefix_l
     name = "dense" if m.kind == "dense" else ("quoka" if m.kind == "quoka" else f"{m.kind}-{m.selector}")
     params = {**dict(m.params), "runner": "hf", "chunk": chunk, "page_size": page_size,
               "min_prefix_len": min_prefix_len, "sink_blocks": sink_blocks, "recent_blocks": recent_blocks}
+    if m.kind in ("compact", "blocksparse") or m.dense_final_chunk:
+        params["dense_final_chunk"] = int(m.dense_final_chunk)
     if dtype != "float32":
         params["dtype"] = dtype
     return name, params
@@ -546,6 +562,8 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--threshold", type=float)
     a.add_argument("--top-p", dest="top_p", type=float)
     a.add_argument("--budget-density", type=float, default=None, help="budget selector density")
+    a.add_argument("--dense-final-chunk", choices=("on", "off"), default=None,
+                   help="cpu-compact: the server's --compact-dense-final-chunk (default: its default, on)")
     a.add_argument("--dense-chunk", type=int, default=None, help="cpu-dense chunk size (default the longest length)")
     a.add_argument("--density-mode", dest="density", choices=("offline", "both", "none"), default="offline",
                    help="compact density when the server's /metrics lacks it: offline replay (default); "

@@ -110,7 +110,9 @@ def capture_qkv(model, input_ids: Sequence[int]) -> list[LayerQKV]:
 
 @dataclass(frozen=True)
 class Method:
-    """kind: dense | compact | blocksparse | quoka; selector/params as in `CompactConfig`."""
+    """kind: dense | compact | blocksparse | quoka; selector/params as in `CompactConfig`, plus
+    `dense_final_chunk` (0/1: the prompt's last chunk reads its whole prefix; default: `CompactConfig`'s for
+    compact and blocksparse, off for quoka, the baseline as published)."""
 
     kind: str
     selector: str = "dense"
@@ -125,11 +127,28 @@ class Method:
             return f"quoka({p})"
         return f"{self.kind}-{self.selector}({p})"
 
+    @property
+    def dense_final_chunk(self) -> bool:
+        given = dict(self.params).get("dense_final_chunk")
+        if given is not None:
+            if given not in (0, 1):
+                raise ValueError(f"{self.label}: dense_final_chunk must be 0 or 1, got {given!r}")
+            return bool(given)
+        return CompactConfig.dense_final_chunk if self.kind in ("compact", "blocksparse") else False
+
+    @property
+    def selector_params(self) -> dict[str, Any]:
+        return {k: v for k, v in self.params if k != "dense_final_chunk"}
+
     def config(self, page_size: int, sink_blocks: int, recent_blocks: int, min_prefix_len: int) -> CompactConfig:
         sparse = self.kind in ("compact", "blocksparse")
         return CompactConfig(block_size=page_size, selector=self.selector if sparse else "dense",
-                             selector_params=dict(self.params) if sparse else {},
-                             sink_blocks=sink_blocks, recent_blocks=recent_blocks, min_prefix_len=min_prefix_len)
+                             selector_params=self.selector_params if sparse else {},
+                             sink_blocks=sink_blocks, recent_blocks=recent_blocks, min_prefix_len=min_prefix_len,
+                             dense_final_chunk=self.dense_final_chunk)
+
+
+DENSE = Method("dense")
 
 
 def parse_method(text: str) -> Method:
@@ -281,10 +300,13 @@ def simulate(layers: Sequence[LayerQKV], methods: Iterable[Method | str], *, chu
         for s, e in spans:
             batch = ChunkBatch.build(lq.q[s:e], lq.k[s:e], lq.v[s:e], k_pool, v_pool, page_table, [s], [e - s],
                                      sm_scale=lq.scale)
+            final = e >= T
             if density_only:
                 for m in methods:
                     cfg, eng = engines[m.label]
-                    if m.kind == "compact":
+                    if final and m.dense_final_chunk:
+                        d = 1.0
+                    elif m.kind == "compact":
                         d = float(eng.plan(batch, li).stats.after_group)
                     else:
                         _, _, d = run_method(m, batch, li, cfg, eng)
@@ -294,7 +316,7 @@ def simulate(layers: Sequence[LayerQKV], methods: Iterable[Method | str], *, chu
             o_ref = None
             for m in methods:
                 cfg, eng = engines[m.label]
-                o, allowed, d = run_method(m, batch, li, cfg, eng)
+                o, allowed, d = run_method(DENSE if final and m.dense_final_chunk else m, batch, li, cfg, eng)
                 o = o.to(torch.float32)
                 if o_ref is None:
                     o_ref = reference_attention(batch, table=batch.kv_block_valid()[:, None, :].expand(

@@ -6,8 +6,10 @@ whose cached prefix takes the compact path (C > 1, prefix >= min_prefix_len)
 with a `fidelity.Method` (compact / blocksparse / quoka / dense) run on a
 head-major pool built from the cache, exactly as in `fidelity.simulate`, but
 with the sparse outputs propagating through the model (errors compound, as
-in serving). Decode steps and short prefixes use SDPA (dense). The post-union
-density of every compact (layer, chunk) is recorded.
+in serving). Decode steps and short prefixes use SDPA (dense), and so does the
+prompt's last chunk under the method's `dense_final_chunk` (as the server does;
+recorded at density 1.0). The post-union density of every compact (layer,
+chunk) is recorded.
 
 Slow (the prefix pool is rebuilt per layer and chunk), but it gives accuracy
 for block-sparse-without-unions and QUOKA, which the server cannot run.
@@ -39,6 +41,7 @@ class _State:
     recent_blocks: int
     cfg: object = None
     engine: CompactAttention | None = None
+    dense_now: bool = False
     densities: list[float] = field(default_factory=list)
 
 
@@ -50,7 +53,10 @@ def _chunked_attention(module, query, key, value, attention_mask, scaling=None, 
     st = _STATE
     C = query.shape[2]
     L = key.shape[2] - C
-    if st is None or st.method.kind == "dense" or query.shape[0] != 1 or C <= 1 or L <= 0 or L < st.min_prefix_len:
+    sparse_here = st is not None and st.method.kind != "dense" and C > 1 and 0 < L and L >= st.min_prefix_len
+    if sparse_here and st.dense_now:
+        st.densities.append(1.0)  # the dense final chunk reads the whole prefix
+    if not sparse_here or st.dense_now or query.shape[0] != 1:
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
                                       **kwargs)
     q = query[0].transpose(0, 1)  # [C, H_q, D]
@@ -100,7 +106,8 @@ class Generation:
 def generate(model, input_ids: Sequence[int], method: Method | str, *, max_new_tokens: int, chunk: int,
              page_size: int, min_prefix_len: int, sink_blocks: int = 2, recent_blocks: int = 4,
              eos_token_ids: Sequence[int] = ()) -> Generation:
-    """Chunked prefill with `method`, then greedy dense decode."""
+    """Chunked prefill with `method`, then greedy dense decode. Under the method's `dense_final_chunk`
+    the prompt's last chunk reads its whole prefix (density 1.0), as the server does."""
     global _STATE
     from transformers import DynamicCache
     if getattr(model.config, "_attn_implementation", None) != CHUNKED_IMPL:
@@ -118,6 +125,7 @@ def generate(model, input_ids: Sequence[int], method: Method | str, *, max_new_t
         logits = None
         for s in range(0, len(ids), chunk):
             x = torch.tensor([ids[s:s + chunk]], dtype=torch.long, device=dev)
+            _STATE.dense_now = m.dense_final_chunk and s + chunk >= len(ids)
             logits = model(input_ids=x, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[0, -1]
         out: list[int] = []
         eos = set(int(e) for e in eos_token_ids)

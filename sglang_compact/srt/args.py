@@ -36,6 +36,9 @@ def add_compact_args(parser: argparse.ArgumentParser) -> None:
                    help=f"FlashInfer backend of the sparse prefix attention on CUDA, one of "
                         f"{', '.join(PREFILL_KERNELS)} (auto: fa3 on Hopper for selectors that fix the row "
                         "lengths, e.g. budget; else fa2)")
+    g.add_argument("--compact-dense-final-chunk", choices=("on", "off"), default="on",
+                   help="a request's last prompt chunk (the question of a long prompt) reads its whole prefix "
+                        "(default on; the earlier chunks take the compact path)")
     g.add_argument("--compact-block-size", type=int, default=None,
                    help="must equal --page-size if given (a block is one KV page)")
 
@@ -68,4 +71,5 @@ def build_config(ns: argparse.Namespace, page_size: int) -> CompactConfig:
     return CompactConfig(block_size=page_size, selector=ns.compact_selector, selector_params=params,
                          sink_blocks=ns.compact_sink_blocks, recent_blocks=ns.compact_recent_blocks,
                          min_prefix_len=ns.compact_min_prefix_len, density_cap=ns.compact_density_cap,
-                         prefill_kernel=ns.compact_prefill_kernel)
+                         prefill_kernel=ns.compact_prefill_kernel,
+                         dense_final_chunk=ns.compact_dense_final_chunk == "on")

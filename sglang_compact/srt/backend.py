@@ -25,6 +25,7 @@ from sglang_compact.config import CompactConfig
 from sglang_compact.execute import TorchPagedExecutor, causal_chunk_attention
 from sglang_compact.plan import build_plan
 from sglang_compact.summaries import PageSummaries
+from sglang_compact.srt.plugin import FORWARD_BATCH_INIT
 from sglang_compact.srt.telemetry import CompactTelemetry, metrics_for_runner
 
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
@@ -128,6 +129,7 @@ class ExtendMetadata:
     compact_rows: torch.Tensor | None    # bool [B]
     any_compact: bool
     any_prefix: bool
+    any_dense_final: bool = False        # a final prompt chunk read its whole prefix by `dense_final_chunk`
 
 
 @dataclasses.dataclass
@@ -164,6 +166,8 @@ class CompactAttnBackend(AttentionBackend):
                                           coverage_needed=self.config.density_cap is not None)
         self.compact.select = self.telemetry.wrap_select(self.compact.select)  # identity unless coverage is measured
         self.forward_metadata = None
+        self._final_chunk_notes: dict[tuple[str, int], bool] = {}
+        self._warned_no_final_flags = False
         if self.is_cuda:
             self._init_cuda(model_runner)
         logger.info("compact attention: %s, page size %d, %d kv heads x %d, summaries %s, prefill kernel %s",
@@ -230,11 +234,39 @@ class CompactAttnBackend(AttentionBackend):
             raise NotImplementedError(f"attention backend 'compact' does not support forward mode {mode.name} "
                                       "(speculative decoding is not supported)")
 
+    MAX_FINAL_CHUNK_NOTES = 4096  # notes of batches that never ran (a bound, not a cache)
+
+    def note_final_chunks(self, rids, prefix_lens, final) -> None:
+        """From the plugin's `ForwardBatch.init_new` hook: per request of the coming extend batch, whether
+        its chunk at `prefix_len` is its last prompt chunk."""
+        if len(self._final_chunk_notes) > self.MAX_FINAL_CHUNK_NOTES:
+            self._final_chunk_notes.clear()
+        for rid, L, f in zip(rids, prefix_lens, final):
+            self._final_chunk_notes[(rid, int(L))] = bool(f)
+
+    def _final_chunks(self, fb: "ForwardBatch", prefix: list[int]) -> list[bool]:
+        """Per request: is this its last prompt chunk (noted by the plugin's hook; taken once)."""
+        n = len(prefix)
+        rids = getattr(fb, "rids", None)
+        notes = [self._final_chunk_notes.pop((rid, L), None) for rid, L in zip(rids or (), prefix)]
+        if not self.config.dense_final_chunk:
+            return [False] * n
+        if len(notes) != n or any(x is None for x in notes):
+            if not self._warned_no_final_flags:
+                self._warned_no_final_flags = True
+                logger.warning("compact: an extend batch came without the final-chunk note of the %s hook "
+                               "(sglang_compact's plugin), so its chunks take the compact path even when final; "
+                               "dense_final_chunk is off for such batches", FORWARD_BATCH_INIT)
+            return [bool(x) for x in notes] + [False] * (n - len(notes))
+        return [bool(x) for x in notes]
+
     def _extend_metadata(self, fb: "ForwardBatch") -> ExtendMetadata:
         prefix = [int(x) for x in fb.extend_prefix_lens_cpu]
         chunk = [int(x) for x in fb.extend_seq_lens_cpu]
         any_prefix = any(prefix)
-        compact_cpu = [self.config.uses_compact_path(L) and C > 1 for L, C in zip(prefix, chunk)]
+        final = self._final_chunks(fb, prefix)
+        compact_cpu = [self.config.uses_compact_path(L, f) and C > 1 for L, C, f in zip(prefix, chunk, final)]
+        dense_final = [f and C > 1 and self.config.uses_compact_path(L) for L, C, f in zip(prefix, chunk, final)]
         template = self._template(fb, prefix, chunk)
         if self.is_cuda:
             rows = self.compact.row_blocks(prefix, compact_cpu) if self.executor.backend == "fa3" else None
@@ -242,8 +274,8 @@ class CompactAttnBackend(AttentionBackend):
                                         self.head_dim, self.page_size, self.pool.dtype, self.sm_scale, rows)
         # None when every request is on the compact path (the common case): nothing to override per layer
         compact_rows = None if all(compact_cpu) else torch.tensor(compact_cpu).to(self.device, non_blocking=True)
-        self.telemetry.begin_forward(prefix, chunk, compact_cpu)
-        return ExtendMetadata(template, compact_rows, any(compact_cpu), any_prefix)
+        self.telemetry.begin_forward(prefix, chunk, compact_cpu, dense_final)
+        return ExtendMetadata(template, compact_rows, any(compact_cpu), any_prefix, any(dense_final))
 
     def _decode_metadata(self, fb: "ForwardBatch") -> DecodeMetadata:
         bs = fb.batch_size
@@ -353,6 +385,8 @@ class CompactAttnBackend(AttentionBackend):
                 self.telemetry.record(layer_idx, cp.stats, cp.table)
         else:
             cp = self.compact.plan_dense(batch, buffers=buffers)
+            if md.any_dense_final and self.telemetry.wants_stats():
+                self.telemetry.record(layer_idx, cp.stats)  # density 1.0: what the policy costs
         o = self.compact.executor.run(batch, cp.plan)
         return o.to(q.dtype).reshape(-1, H_q * D)
 

@@ -23,7 +23,9 @@ Series (labels: SGLang's `model_name`, `tp_rank`, plus those below):
   sglang:compact_coverage                       gauge, min over layers of the latest forward pass:
       fraction of the selector's (query block, head, kv block) cells whose block the
       union table keeps; 1.0 by construction unless a density cap drops blocks
-  sglang:compact_forward_passes_total           counter, forward passes with a compact chunk
+  sglang:compact_forward_passes_total           counter, forward passes with a compact chunk or a dense final chunk
+  sglang:compact_dense_final_chunks_total       counter, final prompt chunks that read their whole prefix
+      (`dense_final_chunk`); a forward pass of only such chunks counts as density 1.0 above
   sglang:compact_chunks_total                   counter, request chunks that took the compact path
   sglang:compact_tokens_total                   counter, tokens of those chunks
 """
@@ -73,8 +75,11 @@ class CompactMetrics:
                               "latest compact forward pass); 1.0 unless a density cap applies.",
                               labelnames=names, registry=None, multiprocess_mode="mostrecent")
         self.forward_passes = Counter("sglang:compact_forward_passes",
-                                      "Forward passes with at least one compact chunk.", labelnames=names,
-                                      registry=None)
+                                      "Forward passes with at least one compact chunk or dense final chunk.",
+                                      labelnames=names, registry=None)
+        self.dense_final_chunks = Counter("sglang:compact_dense_final_chunks",
+                                          "Final prompt chunks that read their whole prefix (dense_final_chunk).",
+                                          labelnames=names, registry=None)
         self.chunks = Counter("sglang:compact_chunks", "Request chunks that took the compact path.",
                               labelnames=names, registry=None)
         self.tokens = Counter("sglang:compact_tokens", "Tokens of the request chunks that took the compact path.",
@@ -87,6 +92,7 @@ class CompactMetrics:
         self._forward_passes = self.forward_passes.labels(**self.labels)
         self._chunks = self.chunks.labels(**self.labels)
         self._tokens = self.tokens.labels(**self.labels)
+        self._dense_final_chunks = self.dense_final_chunks.labels(**self.labels)
 
     def observe(self, summary: dict) -> None:
         for layer, values in summary["per_layer"].items():
@@ -100,6 +106,7 @@ class CompactMetrics:
         self._forward_passes.inc()
         self._chunks.inc(summary["compact_chunks"])
         self._tokens.inc(summary["compact_tokens"])
+        self._dense_final_chunks.inc(summary.get("dense_final_chunks", 0))
 
 
 def metrics_for_runner(model_runner, num_layers: int) -> CompactMetrics | None:
@@ -127,7 +134,7 @@ class CompactTelemetry:
         self._coverage: dict[int, torch.Tensor] = {}
         self._last_mask: torch.Tensor | None = None
         self._batch: tuple | None = None
-        self.totals = {"forward_passes": 0, "compact_rows": 0, "compact_tokens": 0}
+        self.totals = {"forward_passes": 0, "compact_rows": 0, "compact_tokens": 0, "dense_final_chunks": 0}
         self.last_summary: dict | None = None
 
     def wrap_select(self, select: Callable) -> Callable:
@@ -146,9 +153,10 @@ class CompactTelemetry:
         the layers skip computing them."""
         return self.metrics is not None or logger.isEnabledFor(logging.DEBUG)
 
-    def begin_forward(self, prefix_lens, chunk_lens, compact_rows) -> None:
+    def begin_forward(self, prefix_lens, chunk_lens, compact_rows, dense_final_rows=None) -> None:
         self.flush()
-        self._batch = (list(prefix_lens), list(chunk_lens), list(compact_rows))
+        final = list(dense_final_rows) if dense_final_rows is not None else [False] * len(compact_rows)
+        self._batch = (list(prefix_lens), list(chunk_lens), list(compact_rows), final)
 
     def record(self, layer: int, stats, table: torch.Tensor | None = None) -> None:
         self._stats[layer] = stats
@@ -169,7 +177,7 @@ class CompactTelemetry:
         scalars += list(self._coverage.values())
         values = torch.stack([torch.as_tensor(x, dtype=torch.float64) for x in scalars]).tolist()
         per_layer = {layer: dict(zip(stages, values[3 * i:3 * i + 3])) for i, layer in enumerate(layers)}
-        prefix, chunk, rows = self._batch
+        prefix, chunk, rows, final = self._batch
         mean = lambda k: sum(v[k] for v in per_layer.values()) / len(per_layer)  # noqa: E731
         coverage = min(values[3 * len(layers):], default=1.0)
         compact_chunks = sum(1 for r in rows if r)
@@ -179,10 +187,12 @@ class CompactTelemetry:
             "density_selected": mean("selected"), "density_after_q": mean("after_q"),
             "density_after_group": mean("after_group"), "per_layer": per_layer,
             "coverage": coverage, "compact_chunks": compact_chunks, "compact_tokens": compact_tokens,
+            "dense_final_chunks": sum(1 for f in final if f),
         }
         self.totals["forward_passes"] += 1
         self.totals["compact_rows"] += compact_chunks
         self.totals["compact_tokens"] += compact_tokens
+        self.totals["dense_final_chunks"] += summary["dense_final_chunks"]
         self.last_summary = summary
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("compact chunk: prefix=%s chunk=%s density selected=%.3f after_q=%.3f after_group=%.3f "
