@@ -7,8 +7,13 @@
 """
 
 import sys
+from pathlib import Path
 
-from sglang_compact.eval.cli import main
+# this checkout's package first: the results files are written beside the imported package
+# (docs/results of its repository), so another installed copy would write into its own tree
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from sglang_compact.eval.cli import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())
