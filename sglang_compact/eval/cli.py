@@ -11,6 +11,8 @@
     python scripts/eval_longctx.py fidelity --length 2048 --page-size 32 --chunk 256
     # re-render accuracy.md / accuracy.png from accuracy.json
     python scripts/eval_longctx.py report
+    # B - A prompt by prompt (same seed), with a bootstrap interval, from two runs' scored predictions
+    python scripts/eval_longctx.py paired preds/dense.jsonl preds/compact_flashprefill_alpha0.4.jsonl --length 8192
 
 Density of a compact run: from the server's `/metrics` when it exposes
 `sglang:compact_density_forward` (our presets pass `--enable-metrics`),
@@ -517,6 +519,15 @@ def cmd_fidelity(args) -> int:
     return 0
 
 
+def cmd_paired(args) -> int:
+    from sglang_compact.eval.paired import main_paired
+    try:
+        print(main_paired(args.a, args.b, args.length, args.tasks, args.n_boot), end="")
+    except (OSError, ValueError, KeyError) as e:
+        sys.exit(f"eval_longctx paired: {e}")
+    return 0
+
+
 def cmd_report(args) -> int:
     for p in R.regenerate(args.results):
         print(f"wrote {p}")
@@ -586,6 +597,13 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("report", help="re-render accuracy.md / accuracy.png")
     r.add_argument("--results", type=Path, default=R.ACCURACY_JSON)
     r.set_defaults(func=cmd_report)
+    pr = sub.add_parser("paired", help="B - A on the same prompts, from two scored-prediction JSONL files")
+    pr.add_argument("a", help="JSONL of method A (e.g. preds/dense.jsonl of accuracy_h200.py)")
+    pr.add_argument("b", help="JSONL of method B")
+    pr.add_argument("--length", type=int, required=True)
+    pr.add_argument("--tasks", nargs="+", choices=list(TASKS), help="default: every task both files have")
+    pr.add_argument("--n-boot", type=int, default=2000)
+    pr.set_defaults(func=cmd_paired)
     return ap
 
 
