@@ -76,11 +76,14 @@ def check_backend_takes_each_note_once():
     assert CompactAttnBackend._final_chunks(be, fb, [256, 768]) == [False, False]
     assert CompactAttnBackend._final_chunks(be, fb, [256, 768]) == [False, False]
     assert sum("final-chunk note" in m for m in records.messages) == 1, records.messages
-    # the option off: notes are consumed and ignored
+    # the option off: nothing is kept, every chunk compact
     off = fake_backend(dense_final_chunk=False)
     CompactAttnBackend.note_final_chunks(off, ["a"], [768], [True])
-    assert CompactAttnBackend._final_chunks(off, SimpleNamespace(rids=["a"]), [768]) == [False]
     assert off._final_chunk_notes == {}
+    assert CompactAttnBackend._final_chunks(off, SimpleNamespace(rids=["a"]), [768]) == [False]
+    # a batch noted for some of its requests only: the noted ones count
+    CompactAttnBackend.note_final_chunks(be, ["a"], [768], [True])
+    assert CompactAttnBackend._final_chunks(be, fb, [768, 768]) == [True, False]
     # notes of batches that never ran are bounded
     big = fake_backend()
     big.MAX_FINAL_CHUNK_NOTES = 3

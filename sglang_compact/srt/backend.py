@@ -238,26 +238,28 @@ class CompactAttnBackend(AttentionBackend):
 
     def note_final_chunks(self, rids, prefix_lens, final) -> None:
         """From the plugin's `ForwardBatch.init_new` hook: per request of the coming extend batch, whether
-        its chunk at `prefix_len` is its last prompt chunk."""
+        its chunk at `prefix_len` is its last prompt chunk (kept only under `dense_final_chunk`)."""
+        if not self.config.dense_final_chunk:
+            return
         if len(self._final_chunk_notes) > self.MAX_FINAL_CHUNK_NOTES:
             self._final_chunk_notes.clear()
         for rid, L, f in zip(rids, prefix_lens, final):
             self._final_chunk_notes[(rid, int(L))] = bool(f)
 
     def _final_chunks(self, fb: "ForwardBatch", prefix: list[int]) -> list[bool]:
-        """Per request: is this its last prompt chunk (noted by the plugin's hook; taken once)."""
+        """Per request: is this its last prompt chunk (noted by the plugin's hook; each note taken once)."""
         n = len(prefix)
-        rids = getattr(fb, "rids", None)
-        notes = [self._final_chunk_notes.pop((rid, L), None) for rid, L in zip(rids or (), prefix)]
         if not self.config.dense_final_chunk:
             return [False] * n
-        if len(notes) != n or any(x is None for x in notes):
+        rids = getattr(fb, "rids", None) or ()
+        notes = [self._final_chunk_notes.pop((rid, L), None) for rid, L in zip(rids, prefix)]
+        if len(notes) != n or None in notes:
             if not self._warned_no_final_flags:
                 self._warned_no_final_flags = True
                 logger.warning("compact: an extend batch came without the final-chunk note of the %s hook "
                                "(sglang_compact's plugin), so its chunks take the compact path even when final; "
                                "dense_final_chunk is off for such batches", FORWARD_BATCH_INIT)
-            return [bool(x) for x in notes] + [False] * (n - len(notes))
+            notes += [None] * (n - len(notes))
         return [bool(x) for x in notes]
 
     def _extend_metadata(self, fb: "ForwardBatch") -> ExtendMetadata:

@@ -37,7 +37,6 @@ def mark_final_chunks(forward_batch, cls, batch, model_runner=None, *args, **kwa
     """AFTER hook of `ForwardBatch.init_new(batch, model_runner, ...)`: for an extend batch, hands
     (request id, prefix length, final?) of each request to `model_runner.attn_backend.note_final_chunks`
     when that backend has it (the compact backend); does nothing otherwise. Returns None (keeps the result)."""
-    model_runner = kwargs.get("model_runner", model_runner)
     note = getattr(getattr(model_runner, "attn_backend", None), "note_final_chunks", None)
     mode = getattr(forward_batch, "forward_mode", None)
     reqs = getattr(batch, "reqs", None)
