@@ -50,7 +50,7 @@ def check_hook_notes_extend_batches_only():
 
 
 def fake_backend(dense_final_chunk=True):
-    return SimpleNamespace(config=CompactConfig(block_size=16, min_prefix_len=256, dense_final_chunk=dense_final_chunk),
+    return SimpleNamespace(config=CompactConfig(block_size=16, dense_final_chunk=dense_final_chunk),
                            _final_chunk_notes={}, _warned_no_final_flags=False,
                            MAX_FINAL_CHUNK_NOTES=CompactAttnBackend.MAX_FINAL_CHUNK_NOTES)
 
@@ -68,25 +68,25 @@ def check_backend_takes_each_note_once():
     be = fake_backend()
     CompactAttnBackend.note_final_chunks(be, ["a", "b"], [256, 768], [False, True])
     fb = SimpleNamespace(rids=["a", "b"])
-    assert CompactAttnBackend._final_chunks(be, fb, [256, 768], [256, 32]) == [False, True]
+    assert CompactAttnBackend._final_chunks(be, fb, [256, 768], [True, True]) == [False, True]
     assert be._final_chunk_notes == {}
     records = Records()
     logging.getLogger("sglang_compact.srt.backend").addHandler(records)
-    # no note for chunks that are dense anyway (no prefix, one token): nothing to warn about
-    assert CompactAttnBackend._final_chunks(be, fb, [0, 768], [256, 1]) == [False, False]
+    # no note for chunks that are dense anyway (say no prefix, or one token): nothing to warn about
+    assert CompactAttnBackend._final_chunks(be, fb, [0, 768], [False, False]) == [False, False]
     assert records.messages == []
     # no note where it matters (the hook did not run): compact, with one warning per backend
-    assert CompactAttnBackend._final_chunks(be, fb, [256, 768], [256, 32]) == [False, False]
-    assert CompactAttnBackend._final_chunks(be, fb, [256, 768], [256, 32]) == [False, False]
+    assert CompactAttnBackend._final_chunks(be, fb, [256, 768], [True, True]) == [False, False]
+    assert CompactAttnBackend._final_chunks(be, fb, [256, 768], [True, True]) == [False, False]
     assert sum("final-chunk note" in m for m in records.messages) == 1, records.messages
     # the option off: nothing is kept, every chunk compact
     off = fake_backend(dense_final_chunk=False)
     CompactAttnBackend.note_final_chunks(off, ["a"], [768], [True])
     assert off._final_chunk_notes == {}
-    assert CompactAttnBackend._final_chunks(off, SimpleNamespace(rids=["a"]), [768], [32]) == [False]
+    assert CompactAttnBackend._final_chunks(off, SimpleNamespace(rids=["a"]), [768], [True]) == [False]
     # a batch noted for some of its requests only: the noted ones count
     CompactAttnBackend.note_final_chunks(be, ["a"], [768], [True])
-    assert CompactAttnBackend._final_chunks(be, fb, [768, 768], [32, 32]) == [True, False]
+    assert CompactAttnBackend._final_chunks(be, fb, [768, 768], [True, True]) == [True, False]
     # notes of batches that never ran are bounded
     big = fake_backend()
     big.MAX_FINAL_CHUNK_NOTES = 3

@@ -142,23 +142,21 @@ def selector_params(args) -> dict[str, Any]:
     return params
 
 
-def dense_final_chunk_of(params: dict[str, Any]) -> int:
-    """The `dense_final_chunk` (0/1) of a compact method's params: given, else `CompactConfig`'s default."""
-    from sglang_compact.config import CompactConfig
-    v = params.get("dense_final_chunk", int(CompactConfig.dense_final_chunk))
-    if v not in (0, 1):
-        raise ValueError(f"dense_final_chunk must be 0 or 1, got {v!r}")
-    return int(v)
+def compact_method(selector: str, params: dict[str, Any]):
+    """The `fidelity.Method` of a compact server method: its `dense_final_chunk` and `selector_params`."""
+    from sglang_compact.eval.fidelity import Method
+    return Method("compact", selector, tuple(sorted(params.items())))
 
 
 def compact_server_args(selector: str, params: dict[str, Any], min_prefix_len: int, sink_blocks: int,
                         recent_blocks: int) -> list[str]:
     """`sglang_compact.launch_server` flags of a compact method (with `--enable-metrics`, for the density)."""
+    m = compact_method(selector, params)
     extra = ["--enable-metrics", "--attention-backend", "compact", "--compact-min-prefix-len", str(min_prefix_len),
              "--compact-sink-blocks", str(sink_blocks), "--compact-recent-blocks", str(recent_blocks),
              "--compact-selector", selector,
-             "--compact-dense-final-chunk", "on" if dense_final_chunk_of(params) else "off"]
-    sel_params = {k: v for k, v in params.items() if k != "dense_final_chunk"}
+             "--compact-dense-final-chunk", "on" if m.dense_final_chunk else "off"]
+    sel_params = m.selector_params
     if sel_params:
         extra += ["--compact-selector-params", json.dumps(sel_params)]
     return extra
@@ -168,7 +166,7 @@ def compact_method_params(selector: str, params: dict[str, Any], *, chunk: int, 
                           min_prefix_len: int, sink_blocks: int, recent_blocks: int) -> tuple[str, dict[str, Any]]:
     """(method label, row params) of a compact server: the selector's parameters (defaults filled in) and
     the chunking / forced-block settings."""
-    params = {} if selector == "dense" else {**params, "dense_final_chunk": dense_final_chunk_of(params)}
+    params = {} if selector == "dense" else {**params, "dense_final_chunk": int(compact_method(selector, params).dense_final_chunk)}
     if selector in SELECTOR_PARAM_FLAGS:
         from sglang_compact.config import SELECTOR_PARAMS
         name = SELECTOR_PARAM_FLAGS[selector]

@@ -246,18 +246,17 @@ class CompactAttnBackend(AttentionBackend):
         for rid, L, f in zip(rids, prefix_lens, final):
             self._final_chunk_notes[(rid, int(L))] = bool(f)
 
-    def _final_chunks(self, fb: "ForwardBatch", prefix: list[int], chunk: list[int]) -> list[bool]:
+    def _final_chunks(self, fb: "ForwardBatch", prefix: list[int], sparse: list[bool]) -> list[bool]:
         """Per request: is this its last prompt chunk (noted by the plugin's hook; each note taken once).
-        A missing note counts as not final; it is warned about (once) only where it matters: a chunk
-        that would take the compact path."""
+        `sparse`: the requests whose chunk would take the compact path. A missing note counts as not
+        final; it is warned about (once) only where it matters, on such a chunk."""
         n = len(prefix)
         if not self.config.dense_final_chunk:
             return [False] * n
         rids = getattr(fb, "rids", None) or ()
         notes = [self._final_chunk_notes.pop((rid, L), None) for rid, L in zip(rids, prefix)]
         notes += [None] * (n - len(notes))
-        missing = any(x is None and C > 1 and self.config.uses_compact_path(L) for x, L, C in zip(notes, prefix, chunk))
-        if missing and not self._warned_no_final_flags:
+        if any(x is None and s for x, s in zip(notes, sparse)) and not self._warned_no_final_flags:
             self._warned_no_final_flags = True
             logger.warning("compact: an extend batch came without the final-chunk note of the %s hook "
                            "(sglang_compact's plugin), so its chunks take the compact path even when final; "
@@ -268,9 +267,10 @@ class CompactAttnBackend(AttentionBackend):
         prefix = [int(x) for x in fb.extend_prefix_lens_cpu]
         chunk = [int(x) for x in fb.extend_seq_lens_cpu]
         any_prefix = any(prefix)
-        final = self._final_chunks(fb, prefix, chunk)
-        compact_cpu = [self.config.uses_compact_path(L, f) and C > 1 for L, C, f in zip(prefix, chunk, final)]
-        dense_final = [f and C > 1 and self.config.uses_compact_path(L) for L, C, f in zip(prefix, chunk, final)]
+        sparse = [self.config.uses_compact_path(L) and C > 1 for L, C in zip(prefix, chunk)]
+        final = self._final_chunks(fb, prefix, sparse)
+        compact_cpu = [s and not f for s, f in zip(sparse, final)]
+        dense_final = [s and f for s, f in zip(sparse, final)]
         template = self._template(fb, prefix, chunk)
         if self.is_cuda:
             rows = self.compact.row_blocks(prefix, compact_cpu) if self.executor.backend == "fa3" else None
