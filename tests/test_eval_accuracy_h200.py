@@ -77,6 +77,33 @@ def test_bad_methods(acc, tmp_path):
         acc.main(["--dry-run", "--out", str(tmp_path), "--methods", "dense", "dense"])
 
 
+def test_explicit_cells(acc, tmp_path, capsys):
+    """--cells replaces the lengths x tasks product, in the given order; --hf-cells gives the HF child its own."""
+    assert acc.main(["--dry-run", "--out", str(tmp_path), "--methods", "dense", "--hf-methods", "quoka",
+                     "--cells", "8192/niah_multiquery", "2048/vt", "--hf-cells", "8192/niah_multivalue"]) == 0
+    out = capsys.readouterr().out
+    assert " 1. length   8192  niah_multiquery" in out and " 2. length   2048  vt" in out and " 3. length" not in out
+    assert "HF cells (1): 8192/niah_multivalue" in out
+    a = acc.parse_args(["--cells", "4096/vt", "--hf-methods", "quoka"])
+    assert a.cells == [(4096, "vt")] and a.hf_cells == [(4096, "vt")]  # HF cells default to the server cells
+    assert acc.parse_args(["--cells", "4096/vt", "--hf-cells"]).hf_cells == []
+    for bad in (["--cells", "8192"], ["--cells", "8k/vt"], ["--cells", "8192/niah_nothing"],
+                ["--cells", "0/vt"], ["--cells", "2048/vt", "2048/vt"]):
+        with pytest.raises(SystemExit):
+            acc.parse_args(bad)
+    assert "LENGTH/TASK" in capsys.readouterr().err
+
+
+def test_cell_samples_are_the_suite_prompts(acc, model_dir):
+    """A cell's prompts do not depend on which other cells run: the paired comparison across runs needs that."""
+    from sglang_compact.eval.tasks import load_tokenizer, make_suite
+    tok = load_tokenizer(model_dir)
+    suite = make_suite(tok, ["niah_multikey", "niah_single_word"], [1024], 3, seed=0)
+    by_cell = acc.cell_samples(tok, [(1024, "niah_single_word")], 3, 0)
+    want = [s for s in suite if s.task == "niah_single_word"]
+    assert [s.input_ids for s in by_cell[(1024, "niah_single_word")]] == [s.input_ids for s in want]
+
+
 class FakeWorker:
     def __init__(self, label, per_sample=0.0, fail_at=None, clock=None):
         self.label, self.per_sample, self.fail_at, self.clock = label, per_sample, fail_at, clock

@@ -148,3 +148,36 @@ def test_results_markdown_and_append(tmp_path):
     R.regenerate(path)
     text = path.with_suffix(".md").read_text()
     assert text.endswith("## How these were run\n\ncommands\n") and text.index("| dense |") < text.index("## How")
+
+
+def test_compare_to_dense_matches_tasks_prompts_and_runner():
+    """The comparison section: same tasks, same n where dense has it, the HF runner's dense for HF rows, and
+    near-chance tasks named and left out."""
+    def row(task, method, acc, n=25, params=None, density=None, device="h200", length=4096):
+        return dict(model="m", task=task, length=length, method=method, params=params or {}, n=n, accuracy=acc,
+                    density=density, date="2026-11-30", device=device)
+
+    fp = {"alpha": 0.4}
+    hf = {"runner": "hf"}
+    rows = [row("a", "dense", 60.0), row("b", "dense", 40.0), row("vt", "dense", 4.0),
+            row("a", "dense", 70.0, n=50),  # a later, larger dense run: the n=25 rows keep their reference
+            row("a", "dense", 90.0, params=hf),
+            row("a", "compact-flashprefill", 64.0, params=fp, density=0.3),
+            row("b", "compact-flashprefill", 30.0, params=fp, density=0.5),
+            row("vt", "compact-flashprefill", 50.0, params=fp, density=0.4),
+            row("a", "compact-flashprefill", 66.0, n=50, params={"alpha": 0.6}, density=0.2),
+            row("b", "compact-flashprefill", 20.0, n=5, params={"alpha": 0.6}, density=0.2),   # a smoke run
+            row("a", "quoka", 80.0, params=hf, density=0.25), row("b", "quoka", 30.0, params=hf, density=0.25)]
+    comps, near = R.compare_to_dense(rows)
+    assert near == {("m", 4096, "h200"): ["vt"]}
+    by = {(c.method, c.params): c for c in comps}
+    c = by[("compact-flashprefill", "alpha=0.4")]
+    assert c.tasks == ["a", "b"] and c.avg == 47.0 and c.dense_avg == 50.0 and c.diff == -3.0
+    assert c.density == pytest.approx(0.4)
+    c = by[("compact-flashprefill", "alpha=0.6")]
+    assert c.tasks == ["a"] and c.n == [50] and c.dense_avg == 70.0 and c.diff == -4.0
+    q = by[("quoka", "runner=hf")]
+    assert q.tasks == ["a", "b"] and q.dense_avg == (90.0 + 40.0) / 2  # b: no HF dense, the server's
+    md = R.render_markdown(rows)
+    assert "## Against dense on the same tasks and prompts" in md and "Left out (dense near chance): h200: vt." in md
+    assert "| compact-flashprefill | alpha=0.4 | h200 | 25 | 0.400 | 2 | 47.0 | 50.0 | -3.0 |" in md

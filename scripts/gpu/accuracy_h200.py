@@ -159,6 +159,22 @@ def cell_order(lengths: Sequence[int], tasks: Sequence[str]) -> list[Cell]:
     return [(L, t) for L in lengths for t in tasks]
 
 
+def parse_cell(text: str) -> Cell:
+    """`LENGTH/TASK` (as `8192/niah_multikey`) -> (length, task); argparse type of `--cells`."""
+    length, sep, task = text.partition("/")
+    if not sep or not length.strip().isdigit() or int(length) <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: a cell is LENGTH/TASK, as 8192/niah_multikey")
+    if task not in TASKS:
+        raise argparse.ArgumentTypeError(f"{text!r}: unknown task {task!r}; known: {', '.join(TASKS)}")
+    return int(length), task
+
+
+def cell_samples(tokenizer, cells: Sequence[Cell], n: int, seed: int) -> dict[Cell, list]:
+    """The first `n` prompts of every cell, as `make_suite` would make them (the same prompts for any cell list)."""
+    from sglang_compact.eval.tasks import make_sample
+    return {(L, t): [make_sample(t, L, i, tokenizer, seed=seed) for i in range(n)] for L, t in cells}
+
+
 def estimate_cell(cell: Cell, seconds: dict[Cell, float]) -> float | None:
     """Longest finished cell of the same length; else the longest of the last length done, scaled by length."""
     same = [s for (L, _), s in seconds.items() if L == cell[0]]
@@ -372,7 +388,7 @@ def hf_worker_main(a) -> int:
     deadline = time.monotonic() + (a.deadline_at - time.time())
     save()
     try:
-        from sglang_compact.eval.tasks import load_tokenizer, make_suite
+        from sglang_compact.eval.tasks import load_tokenizer
         ns = argparse.Namespace(model=a.model_dir, hf_device=a.hf_device, hf_dtype=a.hf_dtype, chunk=a.chunk,
                                 page_size=a.page_size, min_prefix_len=a.min_prefix_len, sink_blocks=a.sink_blocks,
                                 recent_blocks=a.recent_blocks, hf_method=None)
@@ -380,9 +396,8 @@ def hf_worker_main(a) -> int:
         tok = load_tokenizer(a.model_dir)
         model = C.load_hf_model(ns)
         print(f"HF model on {a.hf_device} ({a.hf_dtype}) in {time.monotonic() - t:.0f}s", flush=True)
-        cells = cell_order(a.lengths, a.tasks)
-        suite = make_suite(tok, a.tasks, a.lengths, a.hf_n, a.seed)
-        by_cell = {c: [s for s in suite if (s.length, s.task) == c] for c in cells}
+        cells = a.hf_cells
+        by_cell = cell_samples(tok, cells, a.hf_n, a.seed)
         preds = out / "preds"
         preds.mkdir(parents=True, exist_ok=True)
         files = {label: open(preds / f"hf-{label}.jsonl", "a") for label in runs}
@@ -431,6 +446,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hf-dtype", default="bfloat16", choices=("float32", "bfloat16"))
     p.add_argument("--tasks", nargs="+", default=list(TASKS), choices=list(TASKS))
     p.add_argument("--lengths", nargs="+", type=int, default=list(LENGTHS))
+    p.add_argument("--cells", nargs="+", type=parse_cell, default=None, metavar="LENGTH/TASK",
+                   help="run these cells, in this order, instead of every --lengths x --tasks pair")
+    p.add_argument("--hf-cells", nargs="*", type=parse_cell, default=None, metavar="LENGTH/TASK",
+                   help="the HF methods' cells (default: the server methods' cells; none given: no HF cells)")
     p.add_argument("--n", type=int, default=25, help="prompts per task and length (server methods)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--deadline-s", type=float, default=480.0,
@@ -469,6 +488,12 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv: Sequence[str] | None = None):
     a = build_parser().parse_args(argv)
     a.results = Path(a.results) if a.results else Path(a.out) / "accuracy.json"
+    a.cells = list(a.cells) if a.cells else cell_order(a.lengths, a.tasks)
+    a.hf_cells = list(a.cells) if a.hf_cells is None else list(a.hf_cells)
+    for name, cells in (("--cells", a.cells), ("--hf-cells", a.hf_cells)):
+        if len(set(cells)) != len(cells):
+            raise SystemExit(f"{name}: a cell is given twice: {[f'{L}/{t}' for L, t in cells]}")
+    a.lengths = list(dict.fromkeys(L for L, _ in a.cells + a.hf_cells))
     labels = [file_label(s) for s in a.methods] + ["hf-" + file_label(s) for s in a.hf_methods]
     if len(set(labels)) != len(labels):
         raise SystemExit(f"duplicate methods: {labels}")
@@ -522,7 +547,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     log_dir, pred_dir = out / "logs", out / "preds"
     server_runs = [server_run(s, a) for s in a.methods]
     hf_runs = [hf_run(s, a) for s in a.hf_methods]
-    cells = cell_order(a.lengths, a.tasks)
+    cells = a.cells
     work_deadline = t0 + a.deadline_s - a.stop_margin_s
 
     ports: list[int | None] = [None] * len(server_runs)
@@ -553,6 +578,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             for r in hf_runs:
                 print(f"#   {r.spec} -> rows method={r.method} params={json.dumps(r.params)}")
             print(shlex.join(hf_cmd) + " --deadline-at EPOCH" + f"  > {log_dir / 'hf-worker.log'}")
+            print(f"#   HF cells ({len(a.hf_cells)}): " + (", ".join(f"{L}/{t}" for L, t in a.hf_cells) or "none"))
         print(f"# cells ({len(cells)}, in this order; every server method finishes a cell before the next): "
               f"{a.n} prompts per method per cell (seed {a.seed})")
         for i, (L, t) in enumerate(cells, 1):
@@ -570,6 +596,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             shutil.copyfile(R.ACCURACY_JSON, a.results)
     summary: dict[str, Any] = {"date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                                "argv": argv, "deadline_s": a.deadline_s, "cells": [list(c) for c in cells],
+                               "hf_cells": [list(c) for c in a.hf_cells] if hf_runs else [],
                                "servers": {}, "hf": None}
     summary_path = out / "accuracy_h200_summary.json"
     written: list[dict] = []
@@ -632,10 +659,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         by_cell: dict[Cell, list] = {}
         if server_runs:
-            from sglang_compact.eval.tasks import load_tokenizer, make_suite
-            suite = make_suite(load_tokenizer(a.model_dir), a.tasks, a.lengths, a.n, a.seed)
-            by_cell = {c: [s for s in suite if (s.length, s.task) == c] for c in cells}
-            log(f"[{time.monotonic() - t0:5.0f}s] {len(suite)} prompts ready ({len(cells)} cells x {a.n})")
+            from sglang_compact.eval.tasks import load_tokenizer
+            by_cell = cell_samples(load_tokenizer(a.model_dir), cells, a.n, a.seed)
+            log(f"[{time.monotonic() - t0:5.0f}s] {len(cells) * a.n} prompts ready ({len(cells)} cells x {a.n})")
         # wait for every server, but not past the time the evaluation needs, nor long after the first is up
         pending, first_up = set(start_futs), None
         while pending:
@@ -714,7 +740,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         except (OSError, json.JSONDecodeError):
             hf_status = {"error": "no status written (see logs/hf-worker.log)"}
         if hf_status.get("stopped") is None and hf_status.get("error") is None and \
-                len(hf_status.get("cells_done", [])) < len(cells):
+                len(hf_status.get("cells_done", [])) < len(a.hf_cells):
             hf_status["stopped"] = "killed at the deadline"
         summary["hf"] = {k: v for k, v in hf_status.items() if k != "rows"}
         for r in hf_runs:
@@ -731,7 +757,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as e:  # noqa: BLE001
         log(f"could not render accuracy.md: {e}")
     if hf_status is not None:
-        log(f"HF methods: {len(hf_status.get('cells_done', []))}/{len(cells)} cells of {a.hf_n} prompts"
+        log(f"HF methods: {len(hf_status.get('cells_done', []))}/{len(a.hf_cells)} cells of {a.hf_n} prompts"
             + (f"; stopped: {hf_status['stopped']}" if hf_status.get("stopped") else "")
             + (f"; error: {hf_status['error']}" if hf_status.get("error") else ""))
     log(f"total {time.monotonic() - t0:.0f}s")
