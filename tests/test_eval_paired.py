@@ -58,7 +58,7 @@ def test_cli(tmp_path):
     r = subprocess.run([sys.executable, "scripts/eval_longctx.py", "paired", str(a), str(b), "--length", "2048"],
                        capture_output=True, text=True, cwd=REPO_ROOT, timeout=120)
     assert r.returncode == 0, r.stderr
-    assert "compact - dense, 2048 tokens" in r.stdout and "= -50.0 points" in r.stdout
+    assert "compact - dense, 2048 tokens" in r.stdout and "= -50.00 points" in r.stdout
     assert "| t1 | 4 | 100.0 | 50.0 | -50.0 |" in r.stdout
     r = subprocess.run([sys.executable, "scripts/eval_longctx.py", "paired", str(a), str(b), "--length", "4096"],
                        capture_output=True, text=True, cwd=REPO_ROOT, timeout=120)

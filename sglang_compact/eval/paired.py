@@ -84,7 +84,7 @@ def paired_difference(a: dict[Key, float], b: dict[Key, float], length: int, tas
 
 def paired_markdown(r: PairedResult, name_a: str, name_b: str) -> str:
     lines = [f"{name_b} - {name_a}, {r.length} tokens, tasks weighed equally: "
-             f"{r.mean_b:.1f} - {r.mean_a:.1f} = {r.diff:+.1f} points, 95% bootstrap interval "
+             f"{r.mean_b:.2f} - {r.mean_a:.2f} = {r.diff:+.2f} points, 95% bootstrap interval "
              f"[{r.ci_low:+.1f}, {r.ci_high:+.1f}] (prompts resampled within each task)", "",
              f"| task | n | {name_a} | {name_b} | difference |", "| --- | --- | --- | --- | --- |"]
     for t, (x, y) in r.per_task.items():

@@ -74,6 +74,7 @@ class Comparison:
     device: str
     tasks: list[str]
     n: list[int]
+    dense_n: list[int]         # the reference rows' prompt counts (differ from `n` only where dense lacks that n)
     avg: float                 # mean over `tasks` of the method's accuracy (tasks weighed equally)
     dense_avg: float           # the same for the dense reference rows of the same tasks and n
     density: float | None
@@ -126,6 +127,7 @@ def compare_to_dense(rows: list[dict[str, Any]], min_n: int = MIN_N, chance: flo
             continue
         out.append(Comparison(model=k[0], length=k[1], method=k[2], params=k[3], device=k[4],
                               tasks=[t for t, _, _ in pairs], n=sorted({r["n"] for _, r, _ in pairs}),
+                              dense_n=sorted({ref["n"] for _, _, ref in pairs}),
                               avg=_mean([r["accuracy"] for _, r, _ in pairs]),
                               dense_avg=_mean([ref["accuracy"] for _, _, ref in pairs]),
                               density=_mean([r.get("density") for _, r, _ in pairs])))
@@ -138,7 +140,8 @@ def render_comparison(rows: list[dict[str, Any]]) -> list[str]:
         return []
     lines = ["## Against dense on the same tasks and prompts", "",
              f"Each method minus the dense reference, both averaged over the same tasks (weighed equally) with "
-             f"the same number of prompts `n` (one seed: equal `n` means the same prompts). Rows with n < {MIN_N} "
+             f"the same number of prompts `n` where dense has it (one seed: equal `n` means the same prompts; "
+             f"`dense n` shows where it differs). Rows with n < {MIN_N} "
              f"are left out, and so are tasks where dense scores below {NEAR_CHANCE_PCT:.0f}% (near chance, named "
              f"under each table). HF-runner rows are compared with the HF runner's dense where there is one, "
              f"else with the server's.", ""]
@@ -146,12 +149,13 @@ def render_comparison(rows: list[dict[str, Any]]) -> list[str]:
         for length in sorted({c.length for c in comps if c.model == model}):
             sel = [c for c in comps if c.model == model and c.length == length]
             lines += [f"### {model}, {length} tokens", "",
-                      "| method | params | device | n | density | tasks | avg | dense, same tasks | difference |",
-                      "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+                      "| method | params | device | n | density | tasks | avg | dense, same tasks | dense n | "
+                      "difference |",
+                      "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
             for c in sel:
                 lines.append(f"| {c.method} | {c.params} | {c.device} | {'/'.join(map(str, c.n))} | "
                              f"{'' if c.density is None else f'{c.density:.3f}'} | {len(c.tasks)} | {c.avg:.1f} | "
-                             f"{c.dense_avg:.1f} | {c.diff:+.1f} |")
+                             f"{c.dense_avg:.1f} | {'/'.join(map(str, c.dense_n))} | {c.diff:+.2f} |")
             left = [f"{dev}: {', '.join(ts)}" for (m, L, dev), ts in sorted(near_chance.items())
                     if m == model and L == length]
             lines += [""] + ([f"Left out (dense near chance): {'; '.join(left)}.", ""] if left else [])
