@@ -87,6 +87,9 @@ def test_explicit_cells(acc, tmp_path, capsys):
     a = acc.parse_args(["--cells", "4096/vt", "--hf-methods", "quoka"])
     assert a.cells == [(4096, "vt")] and a.hf_cells == [(4096, "vt")]  # HF cells default to the server cells
     assert acc.parse_args(["--cells", "4096/vt", "--hf-cells"]).hf_cells == []
+    assert acc.main(["--dry-run", "--out", str(tmp_path), "--methods", "dense", "--hf-methods", "quoka",
+                     "--cells", "4096/vt", "--hf-cells"]) == 0
+    assert "HF child" not in capsys.readouterr().out  # no HF cells: the child is not started
     for bad in (["--cells", "8192"], ["--cells", "8k/vt"], ["--cells", "8192/niah_nothing"],
                 ["--cells", "0/vt"], ["--cells", "2048/vt", "2048/vt"]):
         with pytest.raises(SystemExit):

@@ -19,13 +19,16 @@ in-process with HF transformers (`sglang_compact.eval.hf_runner`) on the GPU,
 in a child process of this script, alongside the servers, on the first
 `--hf-n` prompts of each cell.
 
-Schedule: cells (length, task) in a fixed order, lengths outer. Every server
+Schedule: cells (length, task) in a fixed order, lengths outer, or the
+`--cells LENGTH/TASK ...` given, in their order. Every server
 method finishes a cell before any starts the next, so when the deadline hits
 all methods have the same cells; a cell cut by the deadline is dropped for
 every method (its predictions stay in the JSONL logs). A cell that clearly
 cannot finish in the time left (1.5x the longest cell of its length so far)
-is not started. The HF child keeps its own schedule (same order, its methods
-one after the other per cell) and records why it stopped.
+is not started. The HF child keeps its own schedule (the same cells unless
+`--hf-cells` names others; its methods one after the other per cell) and
+records why it stopped. A cell's prompts do not depend on the other cells, so
+runs with different cell lists can be compared prompt by prompt.
 
 Rows (schema of docs/results/accuracy.json, device `h200`) are appended to
 `--results` (default $OUT/accuracy.json, first copied from
@@ -546,7 +549,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     out = Path(a.out)
     log_dir, pred_dir = out / "logs", out / "preds"
     server_runs = [server_run(s, a) for s in a.methods]
-    hf_runs = [hf_run(s, a) for s in a.hf_methods]
+    hf_runs = [hf_run(s, a) for s in a.hf_methods] if a.hf_cells else []  # no cells: no HF child
     cells = a.cells
     work_deadline = t0 + a.deadline_s - a.stop_margin_s
 
