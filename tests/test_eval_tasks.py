@@ -175,12 +175,12 @@ def test_compare_to_dense_matches_tasks_prompts_and_runner():
     assert c.tasks == ["a", "b"] and c.avg == 47.0 and c.dense_avg == 50.0 and c.diff == -3.0
     assert c.density == pytest.approx(0.4)
     c = by[("compact-flashprefill", "alpha=0.6")]
-    assert c.tasks == ["a"] and c.n == [50] and c.dense_avg == 70.0 and c.diff == -4.0
+    assert c.tasks == ["a"] and c.n == [50] and c.dense_n == [50] and c.dense_avg == 70.0 and c.diff == -4.0
     smoke_only = [row("b", "compact-oracle", 10.0, n=5, params={"top_p": 0.9}, density=0.9)]
     assert not [c for c in R.compare_to_dense(rows + smoke_only)[0] if c.method == "compact-oracle"]
     q = by[("quoka", "runner=hf")]
     assert q.tasks == ["a", "b"] and q.dense_avg == (90.0 + 40.0) / 2  # b: no HF dense, the server's
+    assert q.dense_n == [25]
     md = R.render_markdown(rows)
     assert "## Against dense on the same tasks and prompts" in md and "Left out (dense near chance): h200: vt." in md
     assert "| compact-flashprefill | alpha=0.4 | h200 | 25 | 0.400 | 2 | 47.0 | 50.0 | 25 | -3.00 |" in md
-    assert c.dense_n == [50] and by[("quoka", "runner=hf")].dense_n == [25]
