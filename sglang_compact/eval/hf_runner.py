@@ -27,6 +27,7 @@ import torch
 
 from sglang_compact.batch import ChunkBatch
 from sglang_compact.compact import CompactAttention
+from sglang_compact.config import CompactConfig
 from sglang_compact.eval.fidelity import Method, head_major_pool, parse_method, run_method
 
 CHUNKED_IMPL = "sglang_compact_chunked"
@@ -36,10 +37,7 @@ CHUNKED_IMPL = "sglang_compact_chunked"
 class _State:
     method: Method
     page_size: int
-    min_prefix_len: int
-    sink_blocks: int
-    recent_blocks: int
-    cfg: object = None
+    cfg: CompactConfig
     engine: CompactAttention | None = None
     dense_now: bool = False
     densities: list[float] = field(default_factory=list)
@@ -53,7 +51,7 @@ def _chunked_attention(module, query, key, value, attention_mask, scaling=None, 
     st = _STATE
     C = query.shape[2]
     L = key.shape[2] - C
-    sparse_here = st is not None and st.method.kind != "dense" and C > 1 and 0 < L and L >= st.min_prefix_len
+    sparse_here = st is not None and st.method.kind != "dense" and C > 1 and st.cfg.uses_compact_path(L)
     if sparse_here and st.dense_now:
         st.densities.append(1.0)  # the dense final chunk reads the whole prefix
     if not sparse_here or st.dense_now or query.shape[0] != 1:
@@ -116,7 +114,7 @@ def generate(model, input_ids: Sequence[int], method: Method | str, *, max_new_t
     m = parse_method(method) if isinstance(method, str) else method
     cfg = m.config(page_size, sink_blocks, recent_blocks, min_prefix_len)
     engine = CompactAttention(cfg) if m.kind in ("compact", "blocksparse") else None
-    _STATE = _State(m, page_size, min_prefix_len, sink_blocks, recent_blocks, cfg, engine)
+    _STATE = _State(m, page_size, cfg, engine)
     dev = next(model.parameters()).device
     t0 = time.monotonic()
     try:

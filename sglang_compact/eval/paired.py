@@ -45,10 +45,15 @@ class PairedResult:
     per_task: dict[str, tuple[float, float]] = field(default_factory=dict)  # task -> (A, B) percent
 
 
+def _task_means(per_task_pairs: dict[str, list[tuple[float, float]]]) -> dict[str, tuple[float, float]]:
+    """task -> (A, B) mean score, as a fraction."""
+    return {t: (sum(x for x, _ in v) / len(v), sum(y for _, y in v) / len(v)) for t, v in per_task_pairs.items()}
+
+
 def _balanced(per_task_pairs: dict[str, list[tuple[float, float]]]) -> tuple[float, float]:
-    a = sum(sum(x for x, _ in v) / len(v) for v in per_task_pairs.values()) / len(per_task_pairs)
-    b = sum(sum(y for _, y in v) / len(v) for v in per_task_pairs.values()) / len(per_task_pairs)
-    return 100 * a, 100 * b
+    """(A, B) mean over tasks of the per-task means, in percent."""
+    means = _task_means(per_task_pairs).values()
+    return 100 * (sum(a for a, _ in means) / len(means)), 100 * (sum(b for _, b in means) / len(means))
 
 
 def paired_difference(a: dict[Key, float], b: dict[Key, float], length: int, tasks: Iterable[str] | None = None,
@@ -76,8 +81,7 @@ def paired_difference(a: dict[Key, float], b: dict[Key, float], length: int, tas
     diffs.sort()
     lo = diffs[int((1 - level) / 2 * (n_boot - 1))]
     hi = diffs[int((1 + level) / 2 * (n_boot - 1))]
-    per_task = {t: (100 * sum(x for x, _ in v) / len(v), 100 * sum(y for _, y in v) / len(v))
-                for t, v in sorted(by_task.items())}
+    per_task = {t: (100 * a, 100 * b) for t, (a, b) in sorted(_task_means(by_task).items())}
     return PairedResult(length, sorted(by_task), {t: len(v) for t, v in sorted(by_task.items())}, mean_a, mean_b,
                         mean_b - mean_a, lo, hi, per_task)
 
