@@ -1,16 +1,21 @@
-"""Triton FlashPrefill block scores; reference: `flashprefill_naive.block_scores`.
+"""Triton FlashPrefill search over page summaries; reference: `flashprefill_naive`.
 
-One program per (request, kv head, query block): the queries of all G query
-heads of the group are stacked into one tile of G * BQ rows, so each pooled
-key block is read once per group rather than once per query head. Two passes
-over the request's prefix blocks: the first keeps each query's running max and
-softmax denominator (online softmax over the blocks' mean keys), the second
-recomputes the logits, normalises them and stores, for every (query head,
-prefix block), the largest probability any query of the block gives it (with
-`group_max`, the largest over the group's heads too: one row per kv head, what
-the row-level `budget` ranking needs, at 1/G of the output). Reads
-the ragged queries in place (no padded copy); the pooled keys are cast once to
-the queries' dtype, and the dot products run on the tensor cores with float32
+One program per (kv head g, q-block q): the queries of all G query heads of
+the group are stacked into one tile of G * P / query_stride rows, so each
+candidate page's mean key is read once per group. The mean keys come straight
+from the page summaries (`key_sum / count`, addressed through the page table),
+so no pooled copy is made. Two passes over the q-block's candidate pages (those
+before its window): the first keeps each query's running max and softmax
+denominator l (online softmax), the second recomputes the logits and either
+stores, per (query head or group, page), the largest probability any query of
+the q-block gives it (`block_scores`), or thresholds them in place
+(`threshold_mask`): a head keeps page j when its score reaches alpha x the
+head's best score, and a query's best probability is exactly 1 / l (its
+largest logit), so the best score is known after the first pass; the kv
+head's mask (OR over the group's heads) is written directly. The union over a
+window's q-blocks and the forced pages follow (`kernels/union.py`).
+
+Dot products run on the tensor cores in the queries' dtype with float32
 accumulation, so scores match the float32 reference to the input precision
 (bf16 ~ 1e-2 relative).
 """
@@ -21,64 +26,79 @@ import torch
 import triton
 import triton.language as tl
 
+SCORES, GROUP_SCORES, THRESHOLD = 0, 1, 2
+
 
 @triton.jit
-def _block_scores_kernel(q, cu_chunk, pooled, kv_blocks, out,
-                         stride_qt, stride_qh, H_q, H_kv, NKV, NQ, sm_scale,
-                         G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BQ: tl.constexpr, BN: tl.constexpr,
-                         GROUP_MAX: tl.constexpr, QS: tl.constexpr, BQS: tl.constexpr):
-    pid_bg = tl.program_id(0)
-    i = tl.program_id(1)
-    b = pid_bg // H_kv
-    g = pid_bg % H_kv
-    start = tl.load(cu_chunk + b)
-    C = tl.load(cu_chunk + b + 1) - start
-    n_b = tl.load(kv_blocks + b)
-    # tile rows r = hp * BQS + u: query head g * G + hp, token i * BQ + u * QS (hp < GP, padded heads masked)
+def _search_kernel(q, qb_req, qb_cand, qb_start, qb_len, page_table, key_sum, count, out,
+                   stride_qt, stride_qh, stride_pt, H_q, H_kv, NQB, NKV, sm_scale, alpha,
+                   G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BN: tl.constexpr, MODE: tl.constexpr,
+                   QS: tl.constexpr, BQS: tl.constexpr):
+    g = tl.program_id(0)
+    qi = tl.program_id(1)
+    b = tl.load(qb_req + qi)
+    n_iter = tl.load(qb_cand + qi)   # candidates: the pages before the q-block's window (none for a dense one)
+    start = tl.load(qb_start + qi)
+    n_q = tl.load(qb_len + qi)
+    # tile rows r = hp * BQS + u: query head g * G + hp, token start + u * QS (hp < GP, padded heads masked)
     offs_r = tl.arange(0, GP * BQS)
     hp = offs_r // BQS
-    offs_t = i * BQ + (offs_r % BQS) * QS
-    r_ok = (hp < G) & (offs_t < C)
+    offs_u = (offs_r % BQS) * QS
+    r_ok = (hp < G) & (offs_u < n_q)
     h = g * G + hp
     offs_d = tl.arange(0, D)
-    qv = tl.load(q + (start + offs_t).to(tl.int64)[:, None] * stride_qt + h[:, None] * stride_qh + offs_d[None, :],
+    qv = tl.load(q + (start + offs_u).to(tl.int64)[:, None] * stride_qt + h[:, None] * stride_qh + offs_d[None, :],
                  mask=r_ok[:, None], other=0.0)
-    k_base = pooled + (b.to(tl.int64) * NKV * H_kv + g) * D
+    pt_row = page_table + b.to(tl.int64) * stride_pt
     qk_scale = sm_scale * 1.4426950408889634  # logits in base 2: exp2 is the native instruction
-    # pass 1: per-query max and denominator over the valid prefix blocks
+    # pass 1: per-query max and denominator over the candidate pages
     m = tl.full([GP * BQS], float("-inf"), tl.float32)
     l = tl.zeros([GP * BQS], tl.float32)
-    n_iter = tl.where((i * BQ < C) & (n_b > 0), n_b, 0)
     for j0 in range(0, n_iter, BN):
         offs_j = j0 + tl.arange(0, BN)
-        j_ok = offs_j < n_b
-        k = tl.load(k_base + offs_j.to(tl.int64)[:, None] * (H_kv * D) + offs_d[None, :], mask=j_ok[:, None],
-                    other=0.0)
+        j_ok = offs_j < n_iter
+        pid = tl.load(pt_row + offs_j, mask=j_ok, other=0).to(tl.int64)
+        inv_n = 1.0 / tl.maximum(tl.load(count + pid, mask=j_ok, other=1), 1).to(tl.float32)
+        k = tl.load(key_sum + (pid * H_kv + g)[:, None] * D + offs_d[None, :], mask=j_ok[:, None], other=0.0)
+        k = (k * inv_n[:, None]).to(qv.dtype)
         s = tl.dot(qv, tl.trans(k)) * qk_scale
         s = tl.where(j_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
         l = l * tl.exp2(m - m_new) + tl.sum(tl.exp2(s - m_new[:, None]), axis=1)
         m = m_new
-    # pass 2: normalised probabilities, max over each head's queries of the block
-    inv_l = tl.where(r_ok, 1.0 / l, 0.0)
-    m = tl.where(r_ok, m, 0.0)
+    # pass 2: normalised probabilities, max over each head's queries of the q-block
+    valid_row = r_ok & (l > 0)
+    inv_l = tl.where(valid_row, 1.0 / l, 0.0)
+    m = tl.where(valid_row, m, 0.0)
     offs_hp = tl.arange(0, GP)
-    if GROUP_MAX:
-        out_row = out + ((b.to(tl.int64) * H_kv + g) * NQ + i) * NKV
+    row = g * NQB + qi
+    if MODE == 2:
+        best = tl.max(tl.reshape(inv_l, [GP, BQS]), axis=1)      # [GP] each head's best score
+        thr = alpha * best
+        head_ok = (offs_hp < G) & (best > 0)
+        out_row = out + row.to(tl.int64) * NKV
+    elif MODE == 1:
+        out_row = out + row.to(tl.int64) * NKV
     else:
-        out_rows = out + ((b.to(tl.int64) * H_q + g * G + offs_hp) * NQ + i) * NKV  # [GP]
+        out_rows = out + ((g * G + offs_hp).to(tl.int64) * NQB + qi) * NKV  # [GP]
     for j0 in range(0, NKV, BN):
         offs_j = j0 + tl.arange(0, BN)
         j_ok = offs_j < n_iter
         score = tl.zeros([GP, BN], tl.float32)
         if j0 < n_iter:
-            k = tl.load(k_base + offs_j.to(tl.int64)[:, None] * (H_kv * D) + offs_d[None, :], mask=j_ok[:, None],
-                        other=0.0)
+            pid = tl.load(pt_row + offs_j, mask=j_ok, other=0).to(tl.int64)
+            inv_n = 1.0 / tl.maximum(tl.load(count + pid, mask=j_ok, other=1), 1).to(tl.float32)
+            k = tl.load(key_sum + (pid * H_kv + g)[:, None] * D + offs_d[None, :], mask=j_ok[:, None], other=0.0)
+            k = (k * inv_n[:, None]).to(qv.dtype)
             s = tl.dot(qv, tl.trans(k)) * qk_scale
             p = tl.exp2(s - m[:, None]) * inv_l[:, None]
-            p = tl.where(r_ok[:, None] & j_ok[None, :], p, 0.0)
+            p = tl.where(valid_row[:, None] & j_ok[None, :], p, 0.0)
             score = tl.max(tl.reshape(p, [GP, BQS, BN]), axis=1)
-        if GROUP_MAX:
+        if MODE == 2:
+            keep = (score >= thr[:, None]) & head_ok[:, None] & j_ok[None, :]
+            keep_any = tl.max(keep.to(tl.int32), axis=0) > 0
+            tl.store(out_row + offs_j, keep_any.to(tl.int8), mask=offs_j < NKV)
+        elif MODE == 1:
             tl.store(out_row + offs_j, tl.max(score, axis=0), mask=offs_j < NKV)
         else:
             tl.store(out_rows[:, None] + offs_j[None, :], score,
@@ -92,33 +112,53 @@ def launch_config(rows: int, NKV: int, group_max: bool) -> dict:
     return dict(BN=bn, num_warps=8 if rows >= 256 and not group_max else 4, num_stages=3 if group_max else 2)
 
 
-def block_scores(q: torch.Tensor, cu_chunk: torch.Tensor, chunk_lens_cpu, pooled_keys: torch.Tensor,
-                 kv_blocks: torch.Tensor, sm_scale: float, q_block: int, n_q_blocks: int,
-                 group_max: bool = False, config: dict | None = None, query_stride: int = 1) -> torch.Tensor:
-    """Same contract as `flashprefill_naive.block_scores` (`config` overrides `launch_config`)."""
-    B, NKV, H_kv, D = pooled_keys.shape
-    T, H_q, Dq = q.shape
-    if Dq != D or D & (D - 1) or D < 16 or q_block < 16:
-        raise ValueError(f"block_scores kernel needs a power-of-two head_dim >= 16 and q_block >= 16 "
-                         f"(head_dim {D}, q_block {q_block})")
-    if query_stride < 1 or query_stride & (query_stride - 1) or q_block % query_stride or q_block // query_stride < 16:
-        raise ValueError(f"block_scores kernel: query_stride {query_stride} must be a power of two leaving >= 16 "
-                         f"queries of each {q_block}-query block")
-    if H_q % H_kv:
-        raise ValueError(f"block_scores kernel: {H_q} query heads are not a multiple of {H_kv} kv heads")
-    out = torch.empty(B, H_kv if group_max else H_q, n_q_blocks, NKV, dtype=torch.float32, device=q.device)
-    if B == 0 or n_q_blocks == 0 or NKV == 0:
-        return out.zero_()
+def supports(head_dim: int, page_size: int, query_stride: int = 1) -> bool:
+    """Whether the kernel can run these shapes: it tiles head_dim and each q-block's scored queries
+    (page_size / query_stride) as power-of-two blocks of at least 16."""
+    D, BQS = head_dim, page_size // max(query_stride, 1)
+    return D >= 16 and not D & (D - 1) and page_size % max(query_stride, 1) == 0 and BQS >= 16 and not BQS & (BQS - 1)
+
+
+def _launch(mode, q, qb, page_table, key_sum, count, sm_scale, num_kv_heads, n_pages, query_stride, config,
+            alpha=0.0, out=None, page_size=None):
+    T, H_q, D = q.shape
+    NQB = qb["cand"].numel()
+    P = page_size
+    if not supports(D, P, query_stride):
+        raise ValueError(f"flashprefill kernel: head_dim {D}, page size {P}, query_stride {query_stride} unsupported")
+    if H_q % num_kv_heads:
+        raise ValueError(f"flashprefill kernel: {H_q} query heads are not a multiple of {num_kv_heads} kv heads")
+    if NQB == 0 or n_pages == 0:
+        return
     if q.stride(2) != 1:
         q = q.contiguous()
-    pooled = pooled_keys.to(q.dtype).contiguous()
-    G = H_q // H_kv
+    G = H_q // num_kv_heads
     GP = triton.next_power_of_2(G)
-    cfg = launch_config(GP * q_block // query_stride, NKV, group_max) if config is None else config
-    _block_scores_kernel[(B * H_kv, n_q_blocks)](
-        q, cu_chunk.to(torch.int32), pooled, kv_blocks.to(torch.int32), out,
-        q.stride(0), q.stride(1), H_q, H_kv, NKV, n_q_blocks, float(sm_scale),
-        G=G, GP=GP, D=D, BQ=q_block, BN=cfg["BN"], GROUP_MAX=group_max, QS=query_stride,
-        BQS=q_block // query_stride,
+    cfg = launch_config(GP * P // query_stride, n_pages, mode == GROUP_SCORES) if config is None else config
+    _search_kernel[(num_kv_heads, NQB)](
+        q, qb["req"], qb["cand"], qb["start"], qb["length"], page_table, key_sum, count, out,
+        q.stride(0), q.stride(1), page_table.stride(0), H_q, num_kv_heads, NQB, n_pages, float(sm_scale), float(alpha),
+        G=G, GP=GP, D=D, BN=cfg["BN"], MODE=mode, QS=query_stride, BQS=P // query_stride,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+
+
+def block_scores(q: torch.Tensor, qb: dict, page_table: torch.Tensor, key_sum: torch.Tensor, count: torch.Tensor,
+                 sm_scale: float, num_kv_heads: int, n_pages: int, group_max: bool = False,
+                 query_stride: int = 1, config: dict | None = None, page_size: int | None = None) -> torch.Tensor:
+    """Same contract as `flashprefill_naive.block_scores` (`page_size`: the q-block size, required)."""
+    H = num_kv_heads if group_max else q.shape[1]
+    out = torch.zeros(H, qb["cand"].numel(), n_pages, dtype=torch.float32, device=q.device)
+    _launch(GROUP_SCORES if group_max else SCORES, q, qb, page_table, key_sum, count, sm_scale, num_kv_heads,
+            n_pages, query_stride, config, out=out, page_size=page_size)
     return out
+
+
+def threshold_mask(q: torch.Tensor, qb: dict, page_table: torch.Tensor, key_sum: torch.Tensor, count: torch.Tensor,
+                   sm_scale: float, num_kv_heads: int, n_pages: int, alpha: float, query_stride: int = 1,
+                   config: dict | None = None, page_size: int | None = None) -> torch.Tensor:
+    """Same contract as `flashprefill_naive.threshold_mask`."""
+    NQB = qb["cand"].numel()
+    mask = torch.zeros(num_kv_heads, NQB, n_pages, dtype=torch.bool, device=q.device)
+    _launch(THRESHOLD, q, qb, page_table, key_sum, count, sm_scale, num_kv_heads, n_pages, query_stride, config,
+            alpha=alpha, out=mask.view(torch.int8), page_size=page_size)
+    return mask

@@ -1,53 +1,71 @@
-"""Plain-torch reference for the FlashPrefill block-score kernel (`kernels/flashprefill.py`)."""
+"""Plain-torch reference for the FlashPrefill search kernel (`kernels/flashprefill.py`).
+
+For q-block q (request b) and query head h, over its candidate pages j < c (c: the first page of its
+window, `qb["cand"]`):
+
+    s[t, j]   = q_t . kbar_j * sm_scale          kbar_j = key_sum[page_j] / count[page_j]
+    p[t, j]   = softmax_j(s[t, :])
+    score[j]  = max over the q-block's queries t (every `query_stride`-th) of p[t, j]
+
+`block_scores` returns the scores; `threshold_mask` keeps, per (kv head g, q-block q), the pages
+some query head of the group scores >= alpha x that head's best score.
+"""
 
 from __future__ import annotations
 
 import torch
 
 
-def block_scores(q: torch.Tensor, cu_chunk: torch.Tensor, chunk_lens_cpu, pooled_keys: torch.Tensor,
-                 kv_blocks: torch.Tensor, sm_scale: float, q_block: int, n_q_blocks: int,
-                 group_max: bool = False, config: dict | None = None, query_stride: int = 1) -> torch.Tensor:
-    """Score every (query block, prefix block) pair against the prefix blocks' mean keys.
+def _head_scores(q, qb, page_table, key_sum, count, sm_scale, num_kv_heads, n_pages, query_stride):
+    """float32 [H_q, NQB, NKV] per-head scores (0 outside candidates) and bool [NQB] 'has candidates'."""
+    T, H_q, D = q.shape
+    G = H_q // num_kv_heads
+    NQB = len(qb["cand"])
+    out = torch.zeros(H_q, NQB, n_pages, dtype=torch.float32, device=q.device)
+    for i in range(NQB):
+        b, a, st, n = (int(qb[k][i]) for k in ("req", "cand", "start", "length"))
+        if a == 0 or n == 0:
+            continue
+        pages = page_table[b, :a].long()
+        kbar = key_sum[pages].to(torch.float32) / count[pages].clamp(min=1).to(torch.float32)[:, None, None]
+        kq = kbar.permute(1, 0, 2).repeat_interleave(G, 0)                     # [H_q, a, D]
+        qq = q[st:st + n:query_stride].to(torch.float32).transpose(0, 1)      # [H_q, n', D]
+        p = torch.softmax(torch.matmul(qq, kq.transpose(1, 2)) * sm_scale, dim=-1)
+        out[:, i, :a] = p.amax(dim=1)
+    return out
 
-        s[t, j]     = q_t . kbar_j * sm_scale          (t a query of the chunk, j < n_b)
-        p[t, j]     = softmax_j(s[t, :])
-        out[i, j]   = max over the queries t of block i of p[t, j]
-                      (with query_stride s: only the block's queries 0, s, 2s, ...)
+
+def block_scores(q: torch.Tensor, qb: dict, page_table: torch.Tensor, key_sum: torch.Tensor, count: torch.Tensor,
+                 sm_scale: float, num_kv_heads: int, n_pages: int, group_max: bool = False,
+                 query_stride: int = 1, config: dict | None = None) -> torch.Tensor:
+    """Per-head scores of each q-block's candidate pages.
 
     Args:
-        q:            [T, H_q, D] chunk queries, ragged by cu_chunk
-        cu_chunk:     int [B + 1]
-        chunk_lens_cpu: host ints [B]
-        pooled_keys:  [B, NKV, H_kv, D] mean key of each prefix block
-        kv_blocks:    int [B] valid prefix blocks n_b
-        q_block:      queries per query block; n_q_blocks: NQ (>= every request's block count)
-        group_max:    reduce over each kv head's G query heads too
-        query_stride: score every s-th query of each block (a power of two dividing q_block)
-        config:       launch parameters of the kernel (ignored here)
+        q:          [T, H_q, D] chunk queries
+        qb:         the q-blocks' req / cand / start / length (int32 [NQB] each, see `QBlocks.on`)
+        page_table: int32 [B, >= n_pages]
+        key_sum:    float32 [num_pages, H_kv, D] and count: int32 [num_pages] (page summaries of one layer)
+        n_pages:    NKV, the table width
+        group_max:  reduce over each kv head's G query heads (one row per kv head)
+        config:     launch parameters of the kernel (ignored here)
     Returns:
-        float32 [B, H_q, NQ, NKV] ([B, H_kv, NQ, NKV] with group_max); 0 outside valid cells.
+        float32 [H_q, NQB, NKV] ([H_kv, NQB, NKV] with group_max); 0 outside candidates.
     """
-    B, NKV, H_kv, D = pooled_keys.shape
-    H_q = q.shape[1]
-    G = H_q // H_kv
-    out = torch.zeros(B, H_q, n_q_blocks, NKV, dtype=torch.float32, device=q.device)
-    starts = cu_chunk.tolist()
-    n_kv = kv_blocks.tolist()
-    for b, C in enumerate(chunk_lens_cpu):
-        n = n_kv[b]
-        if C == 0 or n == 0:
-            continue
-        qb = q[starts[b]:starts[b] + C].to(torch.float32).transpose(0, 1)                 # [H_q, C, D]
-        kb = pooled_keys[b, :n].to(torch.float32).permute(1, 0, 2).repeat_interleave(G, 0)  # [H_q, n, D]
-        p = torch.softmax(torch.matmul(qb, kb.transpose(1, 2)) * sm_scale, dim=-1)          # [H_q, C, n]
-        if query_stride > 1:
-            p = p * (torch.arange(C, device=p.device) % query_stride == 0).to(p.dtype)[None, :, None]
-        nq = -(-C // q_block)
-        pad = nq * q_block - C
-        if pad:
-            p = torch.cat([p, p.new_zeros(H_q, pad, n)], dim=1)
-        out[b, :, :nq, :n] = p.reshape(H_q, nq, q_block, n).amax(dim=2)
+    s = _head_scores(q, qb, page_table, key_sum, count, sm_scale, num_kv_heads, n_pages, query_stride)
     if group_max:
-        out = out.reshape(B, H_kv, G, n_q_blocks, NKV).amax(dim=2)
-    return out
+        H_q = s.shape[0]
+        s = s.reshape(num_kv_heads, H_q // num_kv_heads, *s.shape[1:]).amax(dim=1)
+    return s
+
+
+def threshold_mask(q: torch.Tensor, qb: dict, page_table: torch.Tensor, key_sum: torch.Tensor,
+                   count: torch.Tensor, sm_scale: float, num_kv_heads: int, n_pages: int, alpha: float,
+                   query_stride: int = 1, config: dict | None = None) -> torch.Tensor:
+    """bool [H_kv, NQB, NKV]: the candidate pages some query head of kv head g's group scores at least
+    alpha x its best (see the module docstring)."""
+    s = _head_scores(q, qb, page_table, key_sum, count, sm_scale, num_kv_heads, n_pages, query_stride)
+    H_q, NQB, NKV = s.shape
+    cand = torch.arange(NKV, device=s.device)[None, :] < qb["cand"].long()[:, None]    # [NQB, NKV]
+    best = s.amax(dim=-1, keepdim=True)                                                # [H_q, NQB, 1]
+    keep = (s >= alpha * best) & cand[None] & (best > 0)
+    return keep.reshape(num_kv_heads, H_q // num_kv_heads, NQB, NKV).any(dim=1)

@@ -1,35 +1,32 @@
-"""Plain-torch reference for the fused block-union kernel (`kernels/union.py`)."""
+"""Plain-torch reference for the window-union kernel (`kernels/union.py`)."""
 
 from __future__ import annotations
 
 import torch
 
-
-def forced_blocks(kv_blocks: torch.Tensor, n_kv: int, sink_blocks: int, recent_blocks: int) -> torch.Tensor:
-    """bool [B, n_kv]: the first `sink_blocks` and last `recent_blocks` blocks of each prefix.
-
-    Args:
-        kv_blocks: int [B] number of prefix blocks n_b of each request.
-    """
-    j = torch.arange(n_kv, device=kv_blocks.device)[None, :]
-    n = kv_blocks.long()[:, None]
-    return (j < n) & ((j < sink_blocks) | (j >= n - recent_blocks))
+from sglang_compact.batch import forced_pages
 
 
-def union_table(mask: torch.Tensor, num_kv_heads: int, kv_blocks: torch.Tensor,
-                sink_blocks: int, recent_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Q-block union, intra-group union, forced blocks, clipped to each prefix.
+def union_table(mask: torch.Tensor, num_kv_heads: int, w: dict, sink_blocks: int,
+                recent_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row (kv head g, window w): the pages a query head of the group selected for a q-block of the
+    window, plus the forced pages, within the window's context 0..last.
 
     Args:
-        mask: bool [B, H_q, NQ, NKV]
-        kv_blocks: int [B] prefix blocks per request (n_b <= NKV)
+        mask: bool [H_kv * G, NQB, NKV] per (query head or kv head with G = 1) and q-block
+        w:    the windows' w_first / w_last / w_sparse / w_qlo / w_qhi (int [NW] each, see `QBlocks.on`)
     Returns:
-        table bool [B, H_kv, NKV], counts int32 [B, H_kv] (blocks per row).
+        table bool [H_kv, NW, NKV], counts int32 [H_kv * NW] (rows r = g * NW + w).
     """
-    B, H_q, NQ, NKV = mask.shape
-    G = H_q // num_kv_heads
-    table = mask.reshape(B, num_kv_heads, G * NQ, NKV).any(dim=2)
-    table = table | forced_blocks(kv_blocks, NKV, sink_blocks, recent_blocks)[:, None, :]
-    valid = torch.arange(NKV, device=mask.device)[None, :] < kv_blocks.long()[:, None]
-    table = table & valid[:, None, :]
-    return table, table.sum(dim=-1, dtype=torch.int32)
+    H, NQB, NKV = mask.shape
+    G = H // num_kv_heads
+    NW = w["w_first"].numel()
+    per_head = mask.reshape(num_kv_heads, G, NQB, NKV).any(dim=1)                       # [H_kv, NQB, NKV]
+    qb_window = torch.repeat_interleave(torch.arange(NW, device=mask.device),
+                                        (w["w_qhi"] - w["w_qlo"]).long(), output_size=NQB)
+    hits = torch.zeros(num_kv_heads, NW, NKV, dtype=torch.int32, device=mask.device)
+    table = hits.index_add_(1, qb_window, per_head.to(torch.int32)) > 0
+    valid = torch.arange(NKV, device=mask.device)[None, :] <= w["w_last"].long()[:, None]
+    table = (table & valid[None]) | forced_pages(w["w_first"], w["w_last"], w["w_sparse"], NKV, sink_blocks,
+                                                 recent_blocks)[None]
+    return table, table.sum(dim=-1, dtype=torch.int32).reshape(-1)

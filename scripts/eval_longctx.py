@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Long-context accuracy (RULER-style) and offline fidelity evaluation; see `sglang_compact/eval/cli.py`.
+"""Long-context accuracy (RULER-style) and offline fidelity evaluation; see `harness/eval/cli.py`.
 
     python scripts/eval_longctx.py accuracy --start cpu-compact --lengths 2048 --n 5
     python scripts/eval_longctx.py fidelity --length 2048
@@ -9,11 +9,17 @@
 import sys
 from pathlib import Path
 
-# this checkout's package first: the results files are written beside the imported package
-# (docs/results of its repository), so another installed copy would write into its own tree
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # the repository root: `harness` (and this checkout's package first)
 
-from sglang_compact.eval.cli import main  # noqa: E402
+from harness.eval.cli import main  # noqa: E402
+
+# the command line's default paths (the harness has none of its own)
+DEFAULTS = {
+    "model": REPO / "models" / "smollm2-135m-instruct",      # HF folder (scripts/convert_smollm2.py)
+    "results": REPO / "docs" / "results" / "accuracy.json",  # rows; accuracy.md/.png and fidelity.json beside it
+    "out_dir": REPO / ".out" / "eval",                       # scored predictions and server logs of `accuracy`
+}
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(defaults=DEFAULTS))

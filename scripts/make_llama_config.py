@@ -34,17 +34,29 @@ def config(preset: str, layers: int | None = None) -> dict:
             "bos_token_id": 128000, "eos_token_id": 128009, **base}
 
 
+QWEN_05B = {
+    # Qwen2.5-Coder-0.5B-Instruct's architecture (public config values; ../shared/MODELS.md)
+    "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_act": "silu", "hidden_size": 896,
+    "intermediate_size": 4864, "num_hidden_layers": 24, "num_attention_heads": 14, "num_key_value_heads": 2,
+    "max_position_embeddings": 32768, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6, "vocab_size": 151936,
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "bos_token_id": 151643, "eos_token_id": 151645,
+    "sliding_window": 32768, "use_sliding_window": False, "max_window_layers": 24,
+}
+
+
 def write_model_dir(path: str | Path, preset: str = "llama-3.1-8b", layers: int | None = None) -> Path:
     """A folder holding only config.json, for `--load-format dummy --skip-tokenizer-init`."""
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(config(preset, layers), indent=2))
+    cfg = dict(QWEN_05B, **({"num_hidden_layers": layers} if layers else {})) if preset == "qwen2.5-0.5b" \
+        else config(preset, layers)
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
     return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--preset", choices=sorted(PRESETS), default="llama-3.1-8b")
+    ap.add_argument("--preset", choices=sorted(PRESETS) + ["qwen2.5-0.5b"], default="llama-3.1-8b")
     ap.add_argument("--layers", type=int, default=None, help="override the layer count")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()

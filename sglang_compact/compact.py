@@ -1,150 +1,110 @@
-"""CompactAttention for one layer and one batch of chunks: search -> union -> plan -> execute.
+"""CompactAttention for one layer and one batch of chunks: search -> block union -> paged indices.
 
-Each stage lives in its own module and is tested on its own; this file only
-wires them together and applies the config (forced blocks, density cap,
-the dense fallback for short prefixes).
+Each stage lives in its own module and is tested on its own; this file wires
+them together and applies the config (forced pages, the density cap). The
+per-forward-pass planning and the attention itself are the executor's
+(`sglang_compact.executors`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 
-from sglang_compact.batch import ChunkBatch, cdiv
+from sglang_compact.batch import ChunkBatch
 from sglang_compact.config import CompactConfig
-from sglang_compact.plan import PagedPlan, PlanBuffers, build_plan
-from sglang_compact.selectors import Selection, make_selector
-from sglang_compact.selectors.base import row_budget, top_blocks_per_row, valid_cells
-from sglang_compact.union import UnionStats, union_stats, union_table
+from sglang_compact.indices import IndexBuffers, PagedIndices, build_indices
+from sglang_compact.selectors import make_selector
+from sglang_compact.selectors.base import (Selection, forced_count, row_budget, top_pages_per_row,
+                                           window_scores)
+from sglang_compact.summaries import LayerSummaries
+from sglang_compact.union import row_density, union_table
 
 
 @dataclass
-class ChunkPlan:
-    """What the search decided for one layer.
+class PageSelection:
+    """What one layer reads.
 
-    table: bool [B, H_kv, NKV] blocks each (request, kv head) reads
-    plan:  the paged metadata of `table`
-    stats: densities before/after the unions (device scalars); None when not asked for
+    table:    bool [H_kv, NW, NKV] pages of each row r = g * NW + w (kv head, window)
+    counts:   int32 [H_kv * NW]
+    indices:  the rows' paged indices
+    density:  pages the sparse rows read over their context pages (device scalar), when asked for
+    coverage: fraction of the selector's choices the density cap kept (device scalar), when a cap applies
+              and stats are asked for
     """
 
     table: torch.Tensor
-    plan: PagedPlan
-    stats: UnionStats | None
-
-
-def apply_density_cap(table: torch.Tensor, scores: torch.Tensor, kv_blocks: torch.Tensor, cap: float,
-                      sink_blocks: int, recent_blocks: int, max_blocks: int,
-                      batch: ChunkBatch | None = None) -> torch.Tensor:
-    """Limit each row of the table to max(ceil(cap * n_b), forced) blocks (never dropping forced blocks).
-
-    Blocks are ranked by their best score over the row's query heads and query blocks.
-
-    Args:
-        table: bool [B, H_kv, NKV]; scores: float [B, H_q or H_kv, NQ, NKV]; kv_blocks: int [B];
-        max_blocks: host bound on n_b; batch: the batch kv_blocks belongs to (keeps the ranking's
-        per-batch part for the next layers).
-    """
-    B, H_kv, NKV = table.shape
-    row = scores.reshape(B, H_kv, scores.shape[1] // H_kv * scores.shape[2], NKV).amax(dim=2)
-    return top_blocks_per_row(row, kv_blocks, max_blocks, cap, sink_blocks, recent_blocks, allowed=table,
-                              batch=batch)
+    counts: torch.Tensor
+    indices: PagedIndices
+    density: torch.Tensor | None = None
+    coverage: torch.Tensor | None = None
 
 
 class CompactAttention:
-    """Runs the compact path for one model (all its layers share the config and buffers).
+    """Selects the pages of every layer of one model (the layers share the config).
 
     Args:
         config: the validated `CompactConfig`.
-        executor: object with `run(batch, plan, return_lse=False)`; default the
-            torch executor (CPU). The GPU path passes a `FlashInferExecutor`.
     """
 
-    def __init__(self, config: CompactConfig, executor=None):
+    def __init__(self, config: CompactConfig):
         self.config = config
         self.selector = make_selector(config)
-        if executor is None:
-            from sglang_compact.execute import TorchPagedExecutor
-            executor = TorchPagedExecutor()
-        self.executor = executor
 
-    def row_blocks(self, prefix_lens: Sequence[int], compact: Sequence[bool]) -> list[int] | None:
-        """Blocks each (request, kv head) row will read, per request, known on the host before any
-        search (after the unions, forced blocks and the density cap); None when they depend on the
-        scores. Requests outside the compact path (compact False) read every prefix block.
+    @property
+    def uses_summaries(self) -> bool:
+        return self.selector.spec.uses_summaries
 
-        This is what lets a FlashInfer fa3 plan be made once per forward pass: `plan` gives every
-        row exactly this many blocks, whatever the layer.
-        """
+    def row_pages(self, batch: ChunkBatch) -> list[int] | None:
+        """Pages each row reads (rows r = g * NW + w), known on the host before any search, after the forced
+        pages and the density cap; None when they depend on the scores. What lets a FlashInfer fa3 plan serve
+        every layer of a forward pass."""
+        qb = batch.qblocks
+        pages = self.selector.row_pages(batch) if qb.any_sparse else qb.full_counts() * batch.num_kv_heads
         cfg = self.config
-        n = [cdiv(L, cfg.block_size) for L in prefix_lens]
-        chosen = self.selector.row_blocks([k for k, c in zip(n, compact) if c])
-        if chosen is None:
-            return None if any(compact) else n
-        chosen = iter(chosen)
-        out = []
-        for k, c in zip(n, compact):
-            r = next(chosen) if c else k
-            if c and cfg.density_cap is not None:
-                r = min(r, row_budget(k, cfg.density_cap, cfg.sink_blocks, cfg.recent_blocks))
-            out.append(r)
-        return out
+        if pages is None or cfg.density_cap is None:
+            return pages
+        caps = [row_budget(l + 1, cfg.density_cap, forced_count(f, l, cfg.sink_blocks, cfg.recent_blocks)) if s
+                else l + 1 for f, l, s in zip(qb.w_first, qb.w_last, qb.w_sparse)] * batch.num_kv_heads
+        return [min(p, c) for p, c in zip(pages, caps)]
 
-    def select(self, batch: ChunkBatch, layer: int = 0, pooled_keys: torch.Tensor | None = None,
-               compact_rows: torch.Tensor | None = None) -> Selection:
-        """The selector's mask, with requests outside the compact path (compact_rows False) made dense."""
-        if not self.selector.uses_summaries:
-            pooled_keys = None
-        sel = self.selector.select(batch, layer, pooled_keys)
-        if compact_rows is not None:
-            if sel.rows is not None:
-                sel.rows = torch.where(compact_rows[:, None, None], sel.rows, batch.kv_block_valid()[:, None, :])
-            else:
-                valid = valid_cells(batch, self.config.block_size)
-                sel.mask = torch.where(compact_rows[:, None, None, None], sel.mask, valid)
-        return sel
+    def select_pages(self, batch: ChunkBatch, layer: int = 0, summaries: LayerSummaries | None = None,
+                     buffers: IndexBuffers | None = None, with_stats: bool = False) -> PageSelection:
+        """Search, union (forced pages, the density cap) and paged indices. No host sync on CUDA.
 
-    def plan(self, batch: ChunkBatch, layer: int = 0, pooled_keys: torch.Tensor | None = None,
-             compact_rows: torch.Tensor | None = None, buffers: PlanBuffers | None = None,
-             with_stats: bool = True) -> ChunkPlan:
-        """Search, union (with forced blocks and the density cap) and plan. No host sync on CUDA.
-
-        compact_rows: bool [B] requests on the compact path (None: all of them); the others read
-        every prefix block. with_stats: compute the densities (`ChunkPlan.stats`, else None).
+        summaries: this layer's page summaries (computed from the pool when the selector needs them and
+        none are given). with_stats: compute the density (and the cap's coverage).
         """
         cfg = self.config
         if cfg.block_size != batch.page_size:
             raise ValueError(f"CompactConfig.block_size={cfg.block_size} differs from the KV page size {batch.page_size}")
-        sel = self.select(batch, layer, pooled_keys, compact_rows)
-        kv_blocks = batch.kv_blocks()
-        # a row selection is its own union: the kernel only adds the forced blocks and clips ([B, H_kv, 1, NKV])
-        union_in = sel.rows[:, :, None, :] if sel.rows is not None else sel.mask
-        table, counts = union_table(union_in, batch.num_kv_heads, kv_blocks, cfg.sink_blocks, cfg.recent_blocks)
-        if cfg.density_cap is not None and sel.scores is not None:
-            capped = apply_density_cap(table, sel.scores, kv_blocks, cfg.density_cap, cfg.sink_blocks,
-                                       cfg.recent_blocks, batch.max_kv_blocks, batch=batch)
-            if compact_rows is not None:
-                capped = torch.where(compact_rows[:, None, None], capped, table)
+        if summaries is None and self.uses_summaries:
+            summaries = LayerSummaries.from_pool(batch.k_pool, batch.page_table, batch.context_lens_cpu())
+        sel = self.selector.select(batch, layer, summaries)
+        table, counts = (sel.table, sel.counts) if sel.table is not None else \
+            union_table(sel.mask, batch, cfg.sink_blocks, cfg.recent_blocks)
+        coverage = None
+        if cfg.density_cap is not None:
+            capped, counts = self._cap(sel, table, batch)
+            if with_stats:
+                coverage = (capped & table).sum(dtype=torch.float64) / table.sum(dtype=torch.float64).clamp(min=1)
             table = capped
-            counts = table.sum(-1, dtype=torch.int32)
-        stats = union_stats(sel.mask, table, kv_blocks, batch.q_blocks(cfg.block_size)) if with_stats else None
-        plan = build_plan(table, counts, batch.page_table, batch.prefix_lens, batch.cu_chunk, batch.page_size,
-                          buffers=buffers, index_bound=batch.num_kv_heads * sum(batch.kv_blocks_cpu()))
-        return ChunkPlan(table, plan, stats)
+        indices = build_indices(table, counts, batch, buffers)
+        density = row_density(counts, batch) if with_stats else None
+        return PageSelection(table, counts, indices, density, coverage)
 
-    def plan_dense(self, batch: ChunkBatch, buffers: PlanBuffers | None = None) -> ChunkPlan:
-        """Every prefix block of every row (the dense path through the same executor); no search."""
-        valid = batch.kv_block_valid()  # [B, NKV]
-        table = valid[:, None, :].expand(batch.batch_size, batch.num_kv_heads, valid.shape[1]).contiguous()
-        counts = batch.kv_blocks()[:, None].expand(batch.batch_size, batch.num_kv_heads).contiguous()
-        plan = build_plan(table, counts, batch.page_table, batch.prefix_lens, batch.cu_chunk, batch.page_size,
-                          buffers=buffers, index_bound=batch.num_kv_heads * sum(batch.kv_blocks_cpu()))
-        one = torch.ones((), dtype=torch.float64, device=table.device)
-        return ChunkPlan(table, plan, UnionStats(one, one, one))
-
-    def forward(self, batch: ChunkBatch, layer: int = 0, pooled_keys: torch.Tensor | None = None,
-                compact_rows: torch.Tensor | None = None):
-        """Returns (o [T, H_q, D], ChunkPlan)."""
-        chunk_plan = self.plan(batch, layer, pooled_keys, compact_rows)
-        return self.executor.run(batch, chunk_plan.plan), chunk_plan
+    def _cap(self, sel: Selection, table: torch.Tensor, batch: ChunkBatch):
+        """At most `row_budget(last + 1, density_cap)` pages per sparse row, best scores first (group max over
+        the query heads, max over the window's q-blocks)."""
+        cfg = self.config
+        scores = sel.scores
+        H_kv = table.shape[0]
+        if scores is None:   # a selector without scores: keep the lowest pages (deterministic)
+            scores = -torch.arange(table.shape[-1], device=table.device, dtype=torch.float32).expand_as(table)
+        else:
+            if scores.shape[0] != H_kv:
+                scores = scores.reshape(H_kv, scores.shape[0] // H_kv, *scores.shape[1:]).amax(dim=1)
+            if scores.shape[1] != table.shape[1]:
+                scores = window_scores(scores, batch)
+        return top_pages_per_row(scores, batch, cfg.density_cap, cfg.sink_blocks, cfg.recent_blocks, allowed=table)

@@ -1,7 +1,9 @@
 """`CompactConfig`: the one configuration object of CompactAttention.
 
 Filled once (from `--compact-*` launch flags or by hand), validated once in
-`__post_init__`; every other component takes it as is.
+`__post_init__`; every other component takes it as is. The selector's own
+parameters are a typed dataclass declared by the selector (`config.params`),
+validated by the registry (`sglang_compact.selectors.registry`).
 """
 
 from __future__ import annotations
@@ -11,18 +13,10 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-SELECTOR_NAMES = ("flashprefill", "xattention", "oracle", "dense", "budget", "seer")
-PREFILL_KERNELS = ("auto", "fa2", "fa3")
+from sglang_compact.selectors.registry import (SelectorParams, SelectorSpec, import_selector_modules,
+                                               selector_names, selector_spec)
 
-# Per-selector parameters: name -> (default, min, max, kind). Bounds are inclusive.
-SELECTOR_PARAMS: dict[str, dict[str, tuple[Any, float, float, type]]] = {
-    "flashprefill": {"alpha": (0.4, 0.0, 1.0, float), "query_stride": (1, 1, 16, int)},
-    "xattention": {"threshold": (0.9, 0.0, 1.0, float), "stride": (8, 1, 16, int)},
-    "oracle": {"top_p": (0.95, 0.0, 1.0, float)},
-    "dense": {},
-    "budget": {"density": (0.3, 0.0, 1.0, float), "query_stride": (1, 1, 16, int)},
-    "seer": {"threshold": (0.9, 0.0, 1.0, float), "gate_path": (None, 0, 0, str)},
-}
+PREFILL_KERNELS = ("auto", "fa2", "fa3")
 
 
 def _fail(field_name: str, allowed: str, value: Any) -> None:
@@ -31,105 +25,114 @@ def _fail(field_name: str, allowed: str, value: Any) -> None:
 
 @dataclass(frozen=True)
 class CompactConfig:
-    """What CompactAttention selects and when it switches on.
+    """What CompactAttention selects and where it switches on.
 
     Attributes:
         block_size: KV block size in tokens. Must equal the KV pool's page size
-            (a block *is* a page); a power of two in [16, 256].
-        selector: pattern-search method, one of `SELECTOR_NAMES`.
-        selector_params: that selector's parameters (see `SELECTOR_PARAMS`);
-            missing ones take their defaults.
-        sink_blocks: leading prefix blocks always kept (attention sinks), >= 0.
-        recent_blocks: trailing prefix blocks always kept, >= 1 (the last,
-            possibly partial, prefix page is always attended).
-        min_prefix_len: prefixes shorter than this (tokens) take the dense
-            path, >= 0.
-        density_cap: optional upper bound on the post-union density of each
-            (request, kv-head) row, in (0, 1]; None for no cap.
-        prefill_kernel: FlashInfer backend of the paged prefix attention on
-            CUDA: "fa2" (one plan per forward pass, no host sync), "fa3"
-            (Hopper; one plan per forward pass when the selector fixes every
-            row's length on the host, e.g. `budget`; otherwise a plan per layer
-            with a device->host sync), or "auto" (fa3 on sm90 for selectors
-            that fix the row lengths other than `dense`, else fa2). Ignored on CPU.
-        dense_final_chunk: a request's last prompt chunk (the one whose logits
-            give the first output token: the question of a long-context
-            prompt) reads its whole prefix; the earlier chunks take the
-            compact path. One chunk of a long prompt, so little time; it counts
-            as density 1.0 in the telemetry.
+            (a block *is* a page; a q-block is the chunk's tokens in one page);
+            a power of two in [16, 256].
+        selector: pattern-search method, a registered selector name.
+        selector_params: that selector's parameters: a mapping of overrides or
+            the selector's parameter dataclass; stored as the dataclass
+            (`params`), missing ones at their defaults.
+        selector_modules: modules imported before the selector is looked up
+            (selectors defined outside this package).
+        sink_blocks: leading pages every q-block reads (attention sinks), >= 0.
+        recent_blocks: pages before a window that it always reads, >= 0; the
+            window's own pages are always read, causally.
+        union_window: tokens of a union window (a multiple of block_size): the
+            queries of one window, at absolute positions, share one page set
+            (the union of their selections) and read it as one row of the paged
+            kernel. None: min(1024, the chunk size) (`window_tokens`).
+        min_context: q-blocks whose context (the tokens before them) is shorter
+            than this read every page; None (the default) takes it from the cost
+            gate (`sglang_compact.gate`): the context length from which the
+            sparse path is predicted to be faster on this GPU for this model.
+        dense_tail: the last `dense_tail` prompt tokens read every page (the
+            question of a long-context prompt), >= 0.
+        density_cap: optional upper bound on each row's density, in (0, 1].
+        prefill_kernel: FlashInfer backend on CUDA: "fa2", "fa3" (Hopper; planned
+            once per forward pass only when the row lengths are known on the host:
+            dense passes, selectors that fix row lengths), or "auto" (fa3 on sm90
+            where it is planned once, else fa2). Ignored on CPU.
     """
 
     block_size: int = 64
     selector: str = "flashprefill"
-    selector_params: Mapping[str, Any] = field(default_factory=dict)
+    selector_params: Mapping[str, Any] | SelectorParams = field(default_factory=dict)
+    selector_modules: tuple[str, ...] = ()
     sink_blocks: int = 2
     recent_blocks: int = 4
-    min_prefix_len: int = 4096
+    union_window: int | None = None
+    min_context: int | None = None
+    dense_tail: int = 1024
     density_cap: float | None = None
     prefill_kernel: str = "auto"
-    dense_final_chunk: bool = True
 
     def __post_init__(self) -> None:
         bs = self.block_size
         if isinstance(bs, bool) or not isinstance(bs, int) or not 16 <= bs <= 256 or bs & (bs - 1):
             _fail("block_size", "must be a power of two in [16, 256] (equal to the KV page size)", bs)
-        if self.selector not in SELECTOR_NAMES:
-            _fail("selector", f"must be one of {', '.join(SELECTOR_NAMES)}", self.selector)
-        for name, lo in (("sink_blocks", 0), ("recent_blocks", 1), ("min_prefix_len", 0)):
+        mods = self.selector_modules
+        if isinstance(mods, str) or not all(isinstance(m, str) and m for m in mods):
+            _fail("selector_modules", "must be a tuple of module names", mods)
+        object.__setattr__(self, "selector_modules", tuple(mods))
+        try:
+            import_selector_modules(self.selector_modules)
+            spec = selector_spec(self.selector)
+        except ValueError as e:
+            _fail("selector", f"must be one of {', '.join(selector_names())} ({e})", self.selector)
+        for name, lo in (("sink_blocks", 0), ("recent_blocks", 0), ("dense_tail", 0)):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
                 _fail(name, f"must be an integer >= {lo}", v)
-        if not isinstance(self.dense_final_chunk, bool):
-            _fail("dense_final_chunk", "must be a bool", self.dense_final_chunk)
+        uw = self.union_window
+        if uw is not None and (isinstance(uw, bool) or not isinstance(uw, int) or uw < bs or uw % bs):
+            _fail("union_window", f"must be a multiple of the block size {bs} (tokens), or None", uw)
+        mc = self.min_context
+        if mc is not None and (isinstance(mc, bool) or not isinstance(mc, int) or mc < 0):
+            _fail("min_context", "must be an integer >= 0, or None (the cost gate decides)", mc)
         if self.prefill_kernel not in PREFILL_KERNELS:
             _fail("prefill_kernel", f"must be one of {', '.join(PREFILL_KERNELS)}", self.prefill_kernel)
         cap = self.density_cap
         if cap is not None:
             if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not (0.0 < cap <= 1.0) or math.isnan(cap):
                 _fail("density_cap", "must be in (0, 1] or None", cap)
-        object.__setattr__(self, "selector_params", self._validated_params())
-        if cap is not None and self.selector == "dense":
-            _fail("density_cap", "cannot be combined with selector 'dense' (use selector 'budget')", cap)
-
-    def _validated_params(self) -> dict[str, Any]:
-        spec = SELECTOR_PARAMS[self.selector]
-        given = dict(self.selector_params or {})
-        unknown = sorted(set(given) - set(spec))
-        if unknown:
-            allowed = ", ".join(spec) or "none"
-            _fail("selector_params", f"unknown parameter(s) {unknown} for selector "
-                  f"{self.selector!r} (allowed: {allowed})", given)
-        out: dict[str, Any] = {}
-        for name, (default, lo, hi, kind) in spec.items():
-            v = given.get(name, default)
-            fname = f"selector_params[{name!r}]"
-            if kind is str:
-                if v is not None and not isinstance(v, str):
-                    _fail(fname, "must be a path string", v)
-            elif kind is int:
-                if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
-                    _fail(fname, f"must be an integer in [{lo}, {hi}]", v)
-            else:
-                if isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v) or not lo <= v <= hi:
-                    _fail(fname, f"must be a number in [{lo}, {hi}]", v)
-                v = float(v)
-            out[name] = v
-        if self.selector == "xattention" and out["stride"] & (out["stride"] - 1):
-            _fail("selector_params['stride']", "must be a power of two in [1, 16]", out["stride"])
-        qs = out.get("query_stride", 1)
-        if qs & (qs - 1):
-            _fail("selector_params['query_stride']", "must be a power of two in [1, 16]", qs)
-        if self.selector == "seer" and out["gate_path"] is None:
+            if self.selector == "dense":
+                _fail("density_cap", "cannot be combined with selector 'dense' (use selector 'budget')", cap)
+        object.__setattr__(self, "selector_params",
+                           spec.params.validated(self.selector_params, "CompactConfig.selector_params"))
+        if spec.name == "seer" and self.selector_params.gate_path is None:
             _fail("selector_params['gate_path']", "selector 'seer' needs a safetensors file of AttnGate weights", None)
-        return out
 
-    def param(self, name: str) -> Any:
-        return self.selector_params[name]
+    def window_tokens(self, chunk_size: int | None) -> int:
+        """The union window in tokens: `union_window`, else min(DEFAULT, the chunk size), in whole pages."""
+        from sglang_compact.batch import DEFAULT_WINDOW_TOKENS
+
+        if self.union_window is not None:
+            return self.union_window
+        w = DEFAULT_WINDOW_TOKENS if not chunk_size or chunk_size <= 0 else min(DEFAULT_WINDOW_TOKENS, chunk_size)
+        return max(self.block_size, w // self.block_size * self.block_size)
+
+    @property
+    def spec(self) -> SelectorSpec:
+        return selector_spec(self.selector)
+
+    @property
+    def params(self) -> SelectorParams:
+        """The selector's parameters (its typed dataclass)."""
+        return self.selector_params
 
     def replace(self, **changes: Any) -> "CompactConfig":
+        if "selector" in changes and "selector_params" not in changes:
+            changes["selector_params"] = {}
         return dataclasses.replace(self, **changes)
 
-    def uses_compact_path(self, prefix_len: int, final_chunk: bool = False) -> bool:
-        """Whether a chunk whose cached prefix has `prefix_len` tokens takes the compact path
-        (`final_chunk`: it is the request's last prompt chunk, dense under `dense_final_chunk`)."""
-        return prefix_len > 0 and prefix_len >= self.min_prefix_len and not (final_chunk and self.dense_final_chunk)
+    def describe(self) -> str:
+        """One line for logs: the selector, its parameters, and the rest."""
+        p = ", ".join(f"{k}={v}" for k, v in self.params.as_dict().items())
+        gate = "auto" if self.min_context is None else self.min_context
+        window = "auto" if self.union_window is None else self.union_window
+        return (f"selector={self.selector!r}({p}), page {self.block_size}, sink {self.sink_blocks}, "
+                f"recent {self.recent_blocks}, union_window {window}, min_context {gate}, dense_tail "
+                f"{self.dense_tail}, density_cap {self.density_cap}, prefill_kernel {self.prefill_kernel}")

@@ -4,7 +4,8 @@ Takes every `sglang.launch_server` flag plus the `--compact-*` flags
 (`sglang_compact/srt/args.py`), validates them once, and starts SGLang's own
 server. With `--attention-backend compact` it turns on SGLang's head-major KV
 pool (`SGLANG_USE_HND_KVCACHE=1`, inherited by the spawned scheduler processes)
-and hands the `CompactConfig` to them on `ServerArgs`.
+and hands the `CompactConfig` to them on `ServerArgs`. With `--device cpu` (or
+on a machine without CUDA) it sets what SGLang's CPU path needs itself.
 
 Bad flags exit with status 2 and a one-line reason on stderr.
 """
@@ -15,17 +16,19 @@ import os
 import sys
 from typing import Sequence
 
-from sglang_compact.srt.args import BACKEND_NAME, build_config, split_args
+from sglang_compact.srt.args import PROG, build_config, config_error_message, split_args
+from sglang_compact.srt.plugin import BACKEND_NAME, names_compact
 
-PROG = "sglang_compact.launch_server"
+#: what SGLang 0.5.17's CPU path needs in every process of the server
+CPU_ENV = {
+    "SGLANG_USE_CPU_ENGINE": "1",      # SGLang's CPU platform
+    "TRITON_INTERPRET": "1",           # the paged allocator's Triton kernels run on CPU tensors
+    "SGLANG_COMPACT_CPU_SHIM": "1",    # stand-ins for CUDA-only imports (sglang_compact.srt.cpu_shim)
+}
 
 
 class LaunchError(ValueError):
     pass
-
-
-PREFILL_GRAPH_FLAGS = ("--disable-prefill-cuda-graph", "--cuda-graph-backend-prefill", "--disable-cuda-graph",
-                       "--cuda-graph-config")
 
 
 def _flag_value(argv: Sequence[str], flag: str) -> str | None:
@@ -38,31 +41,31 @@ def _flag_value(argv: Sequence[str], flag: str) -> str | None:
     return value
 
 
-def _names_compact(argv: Sequence[str]) -> bool:
-    return BACKEND_NAME in {_flag_value(argv, f) for f in
-                            ("--attention-backend", "--prefill-attention-backend", "--decode-attention-backend")}
+def _cuda_available() -> bool:
+    import torch
+    return torch.cuda.is_available()
+
+
+def prepare_environment(argv: Sequence[str]) -> None:
+    """Before SGLang is imported: the CPU path's environment and import shims (here, and through the .pth
+    hook that scripts/setup_cpu.sh installs, in every spawned server process)."""
+    if _flag_value(argv, "--device") == "cpu" or not _cuda_available():
+        for k, v in CPU_ENV.items():
+            os.environ.setdefault(k, v)
+        from sglang_compact.srt.cpu_shim import install_cpu_shims
+        install_cpu_shims()
 
 
 def prepare(argv: Sequence[str]):
-    """Parse and validate; returns SGLang's ServerArgs (with `_compact_config` when the backend is used)."""
-    ours, sglang_argv = split_args(argv)
-    if _flag_value(sglang_argv, "--device") == "cpu":
-        # stand-ins for CUDA-only imports, here and (through the .pth hook that
-        # scripts/setup_cpu.sh installs) in every spawned server process
-        os.environ.setdefault("SGLANG_COMPACT_CPU_SHIM", "1")
-        from sglang_compact.srt.cpu_shim import install_cpu_shims
-        install_cpu_shims()
-    from sglang.srt.plugins import load_plugins
-    from sglang.srt.server_args import prepare_server_args
+    """Parse and validate; returns SGLang's ServerArgs (with the config attached when the backend is used)."""
+    from sglang_compact.srt import compat
 
-    load_plugins()  # registers the `compact` backend and CLI choice (our entry point)
-    if _names_compact(sglang_argv) and not any(a.split("=")[0] in PREFILL_GRAPH_FLAGS for a in sglang_argv):
-        # the compact path plans per forward pass on the host; SGLang's prefill
-        # CUDA graphs (on by default on CUDA) are not supported by it yet
-        print(f"{PROG}: note: adding --disable-prefill-cuda-graph (decode CUDA graphs stay on)", file=sys.stderr)
-        sglang_argv = [*sglang_argv, "--disable-prefill-cuda-graph"]
-    server_args = prepare_server_args(sglang_argv)
-    prefill, decode = server_args.get_attention_backends()
+    ours, sglang_argv = split_args(argv)
+    if names_compact(sglang_argv):
+        os.environ["SGLANG_USE_HND_KVCACHE"] = "1"  # before SGLang reads it
+    compat.load_plugins()  # registers the `compact` backend and CLI choice (our entry point)
+    server_args = compat.prepare_server_args(sglang_argv)
+    prefill, decode = compat.attention_backends(server_args)
     if BACKEND_NAME not in (prefill, decode):
         defaults, _ = split_args([])
         if vars(ours) != vars(defaults):
@@ -70,19 +73,22 @@ def prepare(argv: Sequence[str]):
         return server_args
     if prefill != decode:
         raise LaunchError(f"--prefill-attention-backend {prefill} / --decode-attention-backend {decode}: 'compact' "
-                          "must serve both (it switches the KV pool to the head-major layout, which the other "
-                          "backends cannot read); use --attention-backend compact")
+                          "must serve both (its head-major KV pool is unreadable to the other backends): use "
+                          "--attention-backend compact")
     if server_args.speculative_algorithm is not None:
         raise LaunchError(f"--speculative-algorithm {server_args.speculative_algorithm}: the compact backend does "
-                          "not support speculative decoding")
+                          "not support speculative decoding; drop the flag or use another backend")
     try:
         config = build_config(ours, server_args.page_size)
     except ValueError as e:
-        raise LaunchError(f"{e} (with --page-size {server_args.page_size})") from None
-    os.environ["SGLANG_USE_HND_KVCACHE"] = "1"
-    # ServerArgs is read-only once resolved except for private names; it reaches
-    # the scheduler processes pickled, attributes included
-    server_args._compact_config = config
+        raise LaunchError(config_error_message(e)) from None
+    chunk = server_args.chunked_prefill_size
+    window = config.window_tokens(chunk)
+    if chunk and chunk > 0 and chunk % window:
+        raise LaunchError(f"--chunked-prefill-size {chunk} is not a multiple of the union window ({window} tokens): "
+                          f"use a multiple of {window}, or --compact-union-window with a divisor of {chunk} that is "
+                          f"a multiple of --page-size {server_args.page_size}")
+    compat.attach_config(server_args, config)
     return server_args
 
 
@@ -98,6 +104,7 @@ def compact_help() -> str:
 
 def main(argv: Sequence[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
+    prepare_environment(argv)
     if any(a in ("-h", "--help") for a in argv):
         print(f"{PROG} takes every sglang.launch_server flag (listed after these) and:\n")
         print(compact_help())
@@ -107,13 +114,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     except LaunchError as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         sys.exit(2)
-    from sglang.launch_server import run_server
-    from sglang.srt.utils import kill_process_tree
-
-    try:
-        run_server(server_args)
-    finally:
-        kill_process_tree(os.getpid(), include_parent=False)
+    from sglang_compact.srt import compat
+    compat.run_server(server_args)
 
 
 if __name__ == "__main__":

@@ -1,65 +1,79 @@
-"""Page summaries: mean-pooled keys per (page, kv-head), per layer.
+"""Page summaries: the sum of keys (and their count) per (page, kv head), per layer.
 
-Selectors that score pooled keys read these instead of the prefix itself, so a
-chunk's search costs O(prefix pages), not O(prefix tokens). They are updated
-incrementally whenever KV is written to the pool; pages shared through the
-radix cache share their summaries because the summary is keyed by page id.
+Selectors that score mean keys read these instead of the context itself, so a
+chunk's search costs O(context pages), not O(context tokens). They are kept by
+the same launch that writes K/V into the pool (`kernels/kv_cache.py`): every
+page a write ends in gets its sum recomputed over offsets 0..off in a fixed
+order, so a page's summary does not depend on how its tokens were split into
+writes. Pages shared through the radix cache share their summaries because
+the summary is keyed by page id.
 
-Update rule (exact for how SGLang fills pages: each page is written left to
-right, each slot once between page allocations): a write that touches a page's
-slot 0 starts that page afresh (the page was (re)allocated), then every written
-key is added to its page's running sum and count.
-
-Buffers, for one layer:
-    key_sum  float32 [num_pages, H_kv, D]
-    count    int32   [num_pages]          tokens summed in the page
+Buffers, for all layers:
+    key_sum  float32 [layers, num_pages, H_kv, D]
+    count    int32   [layers, num_pages]      tokens summed in the page
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from sglang_compact.kernels import summaries as summary_kernels
-from sglang_compact.kernels import summaries_naive
+from sglang_compact.kernels import kv_cache as kv_cache_kernel
+from sglang_compact.kernels import kv_cache_naive, use_triton
+
+
+@dataclass
+class LayerSummaries:
+    """One layer's summaries: key_sum float32 [num_pages, H_kv, D], count int32 [num_pages]."""
+
+    key_sum: torch.Tensor
+    count: torch.Tensor
+
+    def mean_keys(self, pages: torch.Tensor) -> torch.Tensor:
+        """float32 [..., H_kv, D] mean keys of the given page ids (zeros for pages never written)."""
+        p = pages.long()
+        return self.key_sum[p] / self.count[p].clamp(min=1).to(torch.float32)[..., None, None]
+
+    @classmethod
+    def from_pool(cls, k_pool: torch.Tensor, page_table: torch.Tensor, context_lens) -> "LayerSummaries":
+        """Summaries computed from a pool's keys (for batches built outside the server): each request's
+        pages summed over the context tokens in them."""
+        num_pages, H, P, D = k_pool.shape
+        key_sum = torch.zeros(num_pages, H, D, dtype=torch.float32, device=k_pool.device)
+        count = torch.zeros(num_pages, dtype=torch.int32, device=k_pool.device)
+        for b, E in enumerate(context_lens):
+            n = -(-int(E) // P)
+            if n == 0:
+                continue
+            pages = page_table[b, :n].long()
+            filled = (E - torch.arange(n, device=k_pool.device) * P).clamp(max=P)            # tokens per page
+            valid = torch.arange(P, device=k_pool.device)[None, :] < filled[:, None]          # [n, P]
+            key_sum[pages] = (k_pool[pages].to(torch.float32) * valid[:, None, :, None]).sum(dim=2)
+            count[pages] = filled.to(torch.int32)
+        return cls(key_sum, count)
 
 
 class PageSummaries:
-    """Pooled keys for every page of a paged KV pool, one table per layer."""
+    """Summaries for every page of a paged KV pool, one table per layer."""
 
     def __init__(self, num_layers: int, num_pages: int, num_kv_heads: int, head_dim: int,
-                 page_size: int, device: torch.device | str, use_triton: bool | None = None):
-        self.page_size = page_size
+                 device: torch.device | str):
         self.key_sum = torch.zeros(num_layers, num_pages, num_kv_heads, head_dim, dtype=torch.float32, device=device)
         self.count = torch.zeros(num_layers, num_pages, dtype=torch.int32, device=device)
-        dev = torch.device(device)
-        self.use_triton = (dev.type == "cuda") if use_triton is None else use_triton
 
-    def update(self, layer: int, slots: torch.Tensor, keys: torch.Tensor) -> None:
-        """Account for keys written at pool slots.
+    @staticmethod
+    def bytes_needed(num_layers: int, num_pages: int, num_kv_heads: int, head_dim: int) -> int:
+        return num_layers * num_pages * (num_kv_heads * head_dim * 4 + 4)
 
-        Args:
-            slots: int [N] pool slots (slot = page * P + offset) just written.
-            keys:  [N, H_kv, D] the keys written there.
-        """
-        if slots.numel() == 0:
-            return
-        impl = summary_kernels.update_summaries if self.use_triton else summaries_naive.update_summaries
-        impl(self.key_sum[layer], self.count[layer], slots, keys, self.page_size)
+    def layer(self, layer: int) -> LayerSummaries:
+        return LayerSummaries(self.key_sum[layer], self.count[layer])
 
-    def pooled(self, layer: int, pages: torch.Tensor) -> torch.Tensor:
-        """Mean keys of the given pages.
 
-        Args:
-            pages: int [B, NKV] page ids.
-        Returns:
-            float32 [B, NKV, H_kv, D]; zeros for pages never written.
-        """
-        p = pages.long()
-        cnt = self.count[layer][p].clamp(min=1).to(torch.float32)
-        return self.key_sum[layer][p] / cnt[..., None, None]
-
-    def clear_pages(self, pages: torch.Tensor) -> None:
-        """Forget pages (all layers), e.g. when the pool frees them."""
-        p = pages.long()
-        self.key_sum[:, p] = 0
-        self.count[:, p] = 0
+def store_kv(k_pool: torch.Tensor, v_pool: torch.Tensor, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             summaries: LayerSummaries | None = None) -> None:
+    """Write tokens into a head-major pool `[num_pages, H_kv, P, D]` at slots `loc`, refreshing the
+    summaries of the pages the write ends in (one launch on CUDA)."""
+    impl = kv_cache_kernel.store_kv if use_triton(k_pool) else kv_cache_naive.store_kv
+    s = (summaries.key_sum, summaries.count) if summaries is not None else (None, None)
+    impl(k_pool, v_pool, loc, k, v, *s)

@@ -1,29 +1,27 @@
-"""Random union/plan inputs shared by the property tests."""
+"""Random q-block geometries and page tables shared by the kernel property tests."""
 
 import torch
 
-from sglang_compact.batch import cdiv
+from sglang_compact.batch import QBlocks, cdiv
 
 
-def random_union_case(seed, B, H_kv, G, P, max_blocks=12, density=0.2, invalid_noise=True):
+def random_geometry(seed, B=3, P=16, max_pages=12, page_aligned=False, window_pages=2):
+    """Prefix / chunk lengths (prefixes not page aligned unless asked), sparse window ranges, a page table of
+    distinct shuffled pages, and the q-blocks / windows."""
     g = torch.Generator().manual_seed(seed)
-    prefix = [int(torch.randint(0, max_blocks * P + 1, (1,), generator=g)) for _ in range(B)]
-    chunk = [int(torch.randint(1, 3 * P + 1, (1,), generator=g)) for _ in range(B)]
-    n_kv = [cdiv(L, P) for L in prefix]
-    n_q = [cdiv(C, P) for C in chunk]
-    NKV, NQ = max(n_kv + [1]), max(n_q)
-    mask = torch.rand(B, H_kv * G, NQ, NKV, generator=g) < density
-    if not invalid_noise:
-        jv = torch.arange(NKV)[None, :] < torch.tensor(n_kv)[:, None]
-        iv = torch.arange(NQ)[None, :] < torch.tensor(n_q)[:, None]
-        mask &= (iv[:, :, None] & jv[:, None, :])[:, None]
-    pages = torch.randperm(sum(n_kv) + 5, generator=g).to(torch.int32)
-    page_table = torch.zeros(B, NKV, dtype=torch.int32)
+    rint = lambda lo, hi: int(torch.randint(lo, hi + 1, (1,), generator=g))  # noqa: E731
+    prefix = [rint(0, max_pages * P) for _ in range(B)]
+    if page_aligned:
+        prefix = [L // P * P for L in prefix]
+    chunk = [rint(1, 3 * P) for _ in range(B)]
+    ranges = [(rint(0, 2), rint(1, max_pages // window_pages + 2)) for _ in range(B)]
+    qb = QBlocks.build(prefix, chunk, P, window_pages, ranges)
+    n_ctx = list(qb.n_ctx)
+    pages = torch.randperm(sum(n_ctx) + 5, generator=g).to(torch.int32)
+    page_table = torch.zeros(B, max(n_ctx), dtype=torch.int32)
     used = 0
-    for b, n in enumerate(n_kv):
+    for b, n in enumerate(n_ctx):
         page_table[b, :n] = pages[used:used + n]
         used += n
-    return dict(mask=mask, prefix=prefix, chunk=chunk, n_kv=n_kv, n_q=n_q, page_table=page_table,
-                kv_blocks=torch.tensor(n_kv, dtype=torch.int32), q_blocks=torch.tensor(n_q, dtype=torch.int32),
-                prefix_lens=torch.tensor(prefix, dtype=torch.int32),
-                cu_chunk=torch.tensor([0] + torch.tensor(chunk).cumsum(0).tolist(), dtype=torch.int32))
+    return dict(prefix=prefix, chunk=chunk, ranges=ranges, qb=qb, page_table=page_table,
+                num_pages=sum(n_ctx) + 5, generator=g, cdiv=cdiv)

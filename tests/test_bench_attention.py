@@ -63,9 +63,15 @@ def test_rows_have_the_schema(smoke):
         assert r["ms"] > 0 and r["speedup_vs_dense"] > 0, r
         assert r["rel_err"] <= 1e-4, r  # float32 on the CPU: the torch paths match the reference
         assert 0 < r["density"] <= 1.0, r
+        assert r["attn_ms"] > 0, r
         if r["method"] != "dense_torch":
-            assert r["overhead_frac"] >= 0, r
-            assert r["search_ms"] > 0 and r["prefix_ms"] > 0 and r["chunk_ms"] > 0 and r["merge_ms"] > 0, r
+            assert r["overhead_frac"] >= 0 and r["search_ms"] > 0, r
+        if r["method"].startswith("compact_"):  # one paged pass: no prefix / chunk / merge split any more
+            assert r["index_ms"] > 0, r
+            assert "prefix_ms" not in r and "merge_ms" not in r, r
+        if r["method"].startswith(("bsparse_", "quoka")):
+            assert r["gather_ms"] > 0 and r["prefix_ms"] > 0 and r["chunk_ms"] > 0 and r["merge_ms"] > 0, r
+            assert r["attn_ms"] == pytest.approx(r["prefix_ms"] + r["chunk_ms"]), r
     skipped = {r["method"] for r in rows if r["status"] == "skipped"}
     assert skipped == {"dense_fa2", "dense_fa3", "compact_fa3_flashprefill", "compact_fa3_budget_0.3",
                        "compact_fa3_budget_1.0"}
@@ -73,12 +79,20 @@ def test_rows_have_the_schema(smoke):
     for ctx in (500, 1024):
         assert by[(ctx, "dense_torch")]["speedup_vs_dense"] == pytest.approx(1.0)
         fp = by[(ctx, "compact_flashprefill")]
-        assert 0 < fp["density_selected"] <= fp["density_after_q"] <= fp["density_after_group"] <= 1
+        # per (head, q-block) before the unions <= per row (kv head, window) after them
+        assert 0 < fp["density_selected"] <= fp["density_after_group"] <= 1 and "density_after_q" not in fp
+        assert fp["union_window"] == 96  # the server's default for chunks of 100 tokens: min(1024, 100) in pages
         assert fp["density"] == fp["density_after_group"]  # threshold selector: measured density
         assert by[(ctx, "compact_budget_0.3")]["density"] == 0.3  # budget: the fixed density
+        assert by[(ctx, "compact_budget_0.3")]["density_selected"] is None  # no per-head choice
         assert by[(ctx, "compact_budget_1.0")]["density_after_group"] == pytest.approx(1.0)
-        assert all(by[(ctx, "compact_xattention")].get(k) is not None for k in ("union_ms", "plan_ms"))
-        assert by[(ctx, "bsparse_flashprefill")]["gather_ms"] > 0
+        assert all(by[(ctx, "compact_xattention")].get(k) is not None for k in ("union_ms", "index_ms"))
+        # bsparse executes each q-block's choice (per kv head, without the window union): fewer pages than compact
+        for sel in ("flashprefill", "xattention"):
+            bs, c = by[(ctx, f"bsparse_{sel}")], by[(ctx, f"compact_{sel}")]
+            assert bs["density_selected"] == pytest.approx(c["density_selected"])
+            assert 0 < bs["density_selected"] <= bs["density_executed"] < c["density_after_group"], sel
+            assert bs["density"] == bs["density_executed"] and bs["gather_ms"] > 0
         assert by[(ctx, "quoka")]["density"] == 0.25
 
 

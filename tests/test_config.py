@@ -1,42 +1,77 @@
+"""`CompactConfig` and the selector registry: validation names the field and the allowed range;
+the selector's parameters are its typed dataclass."""
+
 import pytest
 
-from sglang_compact.config import SELECTOR_NAMES, CompactConfig
+from sglang_compact.config import CompactConfig
+from sglang_compact.selectors.registry import selector_names, selector_spec
 
 
 def test_defaults_valid():
     c = CompactConfig()
-    assert c.selector == "flashprefill" and c.param("alpha") == pytest.approx(0.4)
-    assert c.uses_compact_path(c.min_prefix_len) and not c.uses_compact_path(c.min_prefix_len - 1)
-    assert not CompactConfig(min_prefix_len=0).uses_compact_path(0)
+    assert c.selector == "flashprefill" and c.params.alpha == pytest.approx(0.4) and c.params.query_stride == 1
+    assert c.min_context is None and c.dense_tail == 1024
+    assert type(c.params).__name__ == "FlashPrefillParams"
 
 
 @pytest.mark.parametrize("kwargs, field, words", [
     ({"block_size": 48}, "block_size", "power of two in [16, 256]"),
     ({"block_size": 8}, "block_size", "power of two in [16, 256]"),
     ({"block_size": 512}, "block_size", "power of two in [16, 256]"),
-    ({"selector": "nope"}, "selector", "one of"),
+    ({"selector": "nope"}, "selector", "must be one of"),
     ({"sink_blocks": -1}, "sink_blocks", ">= 0"),
-    ({"recent_blocks": 0}, "recent_blocks", ">= 1"),
-    ({"min_prefix_len": -5}, "min_prefix_len", ">= 0"),
+    ({"recent_blocks": -1}, "recent_blocks", ">= 0"),
+    ({"dense_tail": -5}, "dense_tail", ">= 0"),
+    ({"min_context": -5}, "min_context", ">= 0"),
+    ({"min_context": 1.5}, "min_context", ">= 0"),
     ({"prefill_kernel": "fa4"}, "prefill_kernel", "one of auto, fa2, fa3"),
     ({"selector_params": {"query_stride": 3}}, "selector_params['query_stride']", "power of two in [1, 16]"),
-    ({"selector": "budget", "selector_params": {"query_stride": 32}}, "selector_params['query_stride']", "integer in [1, 16]"),
+    ({"selector": "budget", "selector_params": {"query_stride": 32}}, "selector_params['query_stride']",
+     "integer in [1, 16]"),
     ({"density_cap": 0.0}, "density_cap", "(0, 1]"),
     ({"density_cap": 1.5}, "density_cap", "(0, 1]"),
     ({"selector_params": {"alpha": 2.0}}, "selector_params['alpha']", "[0.0, 1.0]"),
+    ({"selector_params": {"alpha": True}}, "selector_params['alpha']", "number"),
     ({"selector_params": {"beta": 1}}, "selector_params", "unknown parameter"),
+    ({"selector_params": {"density": 0.2}}, "selector_params", "allowed: alpha, query_stride"),
     ({"selector": "xattention", "selector_params": {"stride": 3}}, "selector_params['stride']", "power of two"),
     ({"selector": "seer"}, "selector_params['gate_path']", "safetensors"),
+    ({"selector": "seer", "selector_params": {"gate_path": 3}}, "selector_params['gate_path']", "string"),
     ({"selector": "dense", "density_cap": 0.5}, "density_cap", "budget"),
+    ({"selector_modules": "not.a.tuple"}, "selector_modules", "tuple of module names"),
+    ({"selector_modules": ("no_such_module_xyz",)}, "selector", "could not be imported"),
 ])
 def test_invalid_values_name_field_and_range(kwargs, field, words):
     with pytest.raises(ValueError) as e:
         CompactConfig(**kwargs)
     msg = str(e.value)
-    assert f"CompactConfig.{field}:" in msg and words in msg
+    assert f"CompactConfig.{field}:" in msg and words in msg, msg
 
 
-def test_every_selector_constructible():
-    for name in SELECTOR_NAMES:
+def test_every_registered_selector_constructible_with_its_defaults():
+    for name in selector_names():
         params = {"gate_path": "/x.safetensors"} if name == "seer" else {}
-        assert CompactConfig(selector=name, selector_params=params).selector == name
+        c = CompactConfig(selector=name, selector_params=params)
+        assert c.selector == name and isinstance(c.params, selector_spec(name).params)
+
+
+def test_params_given_as_the_dataclass_or_a_mapping_are_equal():
+    spec = selector_spec("budget")
+    a = CompactConfig(selector="budget", selector_params={"density": 0.25})
+    b = CompactConfig(selector="budget", selector_params=spec.params(density=0.25))
+    assert a == b and a.params.density == 0.25
+    with pytest.raises(ValueError, match="parameters of another selector"):
+        CompactConfig(selector="flashprefill", selector_params=spec.params())
+
+
+def test_replace_with_another_selector_resets_its_params():
+    c = CompactConfig(selector_params={"alpha": 0.1}).replace(selector="budget")
+    assert c.params.density == pytest.approx(0.3)
+
+
+def test_expected_densities_come_from_the_selectors():
+    assert selector_spec("budget").expected_density(CompactConfig(selector="budget",
+                                                                  selector_params={"density": 0.2}).params) == 0.2
+    assert selector_spec("dense").expected_density(CompactConfig(selector="dense").params) == 1.0
+    assert selector_spec("budget").fixes_row_lengths and not selector_spec("flashprefill").fixes_row_lengths
+    assert selector_spec("flashprefill").uses_summaries and not selector_spec("oracle").uses_summaries

@@ -1,4 +1,4 @@
-"""docker/Dockerfile, the root .dockerignore and scripts/apply_patches.sh, without a Docker engine.
+"""docker/Dockerfile and the root .dockerignore, without a Docker engine.
 
 The Dockerfile is parsed and what the image will run is checked (base image, pins
 against pyproject.toml, install line, entrypoint argv, health check); the
@@ -23,7 +23,6 @@ import pytest
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DOCKERFILE = REPO_ROOT / "docker" / "Dockerfile"
 DOCKERIGNORE = REPO_ROOT / ".dockerignore"
-APPLY_PATCHES = REPO_ROOT / "scripts" / "apply_patches.sh"
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from serving import SERVER_ENV, free_port  # noqa: E402
@@ -97,9 +96,8 @@ def test_package_install_line():
     runs = [rest for w, rest in instructions() if w == "RUN"]
     install = next(r for r in runs if "pip install" in r)
     assert re.search(r"pip install --no-cache-dir --no-deps \.(\s|$)", install), install
-    # patches first, from the one script; the plugin entry point checked after the install
-    assert install.index("bash scripts/apply_patches.sh") < install.index("pip install")
-    assert "sglang.srt.plugins" in install
+    # the plugin entry point checked after the install
+    assert install.index("pip install") < install.index("sglang.srt.plugins")
     assert one("WORKDIR") == "/opt/sglang-compact" and one("COPY") == ". ."
     assert words.index("COPY") < words.index("RUN", words.index("COPY"))
 
@@ -245,7 +243,7 @@ def test_dockerignore_keeps_only_what_the_image_installs():
                  "build/lib/x.py", "dist/x.tar", ".hypothesis/x", "docker/Dockerfile"):
         assert dockerignored(path, patterns), f"{path} would be sent to the build"
     for path in ("pyproject.toml", "README.md", "sglang_compact/srt/backend.py", "sglang_compact/selectors/base.py",
-                 "kernels/union.py", "patches/0001-example.patch", "scripts/apply_patches.sh"):
+                 "kernels/union.py"):
         assert not dockerignored(path, patterns), f"{path} is left out of the build"
     # everything pyproject.toml builds from is in the context
     text = (REPO_ROOT / "pyproject.toml").read_text()
@@ -267,81 +265,3 @@ def test_hadolint_clean():
         if "hadolint ignore=" in line:
             reason = re.sub(r"#\s*hadolint ignore=[\w,]+", "", line).strip(" #") or lines[k - 1].strip(" #")
             assert reason, f"line {k + 1}: hadolint ignore without a reason"
-
-
-# --- scripts/apply_patches.sh -------------------------------------------------------------------
-needs_patch = pytest.mark.skipif(shutil.which("patch") is None, reason="the 'patch' program is not installed")
-
-
-def run_apply(patches: Path, site: Path, *args: str):
-    env = {**os.environ, "PATCHES_DIR": str(patches), "SITE_DIR": str(site)}
-    return subprocess.run(["bash", str(APPLY_PATCHES), *args], capture_output=True, text=True, env=env, timeout=60)
-
-
-def fake_site(tmp: Path) -> Path:
-    site = tmp / "site"
-    (site / "sglang" / "srt").mkdir(parents=True)
-    (site / "sglang" / "srt" / "mod.py").write_text("a = 1\nb = 2\nc = 3\n")
-    return site
-
-
-GOOD = """why: an example.
---- a/sglang/srt/mod.py
-+++ b/sglang/srt/mod.py
-@@ -1,3 +1,3 @@
- a = 1
--b = 2
-+b = 20
- c = 3
-"""
-BAD = GOOD.replace("-b = 2\n", "-b = 999\n")
-
-
-def test_apply_patches_missing_or_empty_dir_is_a_no_op(tmp_path):
-    site = fake_site(tmp_path)
-    r = run_apply(tmp_path / "no-such-dir", site)
-    assert r.returncode == 0 and "nothing to apply" in r.stdout
-    (tmp_path / "empty").mkdir()
-    (tmp_path / "empty" / "README.md").write_text("not a patch")
-    r = run_apply(tmp_path / "empty", site)
-    assert r.returncode == 0 and "nothing to apply" in r.stdout
-
-
-def test_apply_patches_on_the_repository_today():
-    """What the image build runs: the repository's patches/ (none today) against the installed SGLang,
-    checked only (--check changes nothing here)."""
-    r = subprocess.run(["bash", str(APPLY_PATCHES), "--check"], capture_output=True, text=True, timeout=120,
-                       env={**os.environ, "PYTHON": sys.executable})
-    assert r.returncode == 0, r.stdout + r.stderr
-    if not list((REPO_ROOT / "patches").glob("*.patch")):
-        assert "nothing to apply" in r.stdout
-
-
-@needs_patch
-def test_apply_patches_applies_then_skips_when_already_applied(tmp_path):
-    site, patches = fake_site(tmp_path), tmp_path / "patches"
-    patches.mkdir()
-    (patches / "0001-good.patch").write_text(GOOD)
-    r = run_apply(patches, site, "--check")
-    assert r.returncode == 0 and "1 would be applied" in r.stdout, r.stdout + r.stderr
-    assert (site / "sglang" / "srt" / "mod.py").read_text() == "a = 1\nb = 2\nc = 3\n"
-    r = run_apply(patches, site)
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert "0001-good.patch: applied" in r.stdout
-    assert (site / "sglang" / "srt" / "mod.py").read_text() == "a = 1\nb = 20\nc = 3\n"
-    r = run_apply(patches, site)
-    assert r.returncode == 0 and "already applied" in r.stdout
-
-
-@needs_patch
-def test_apply_patches_fails_loudly_and_changes_nothing(tmp_path):
-    site, patches = fake_site(tmp_path), tmp_path / "patches"
-    patches.mkdir()
-    (patches / "0001-good.patch").write_text(GOOD)
-    (patches / "0002-bad.patch").write_text(BAD)
-    for args in ([], ["--check"]):
-        r = run_apply(patches, site, *args)
-        assert r.returncode == 1
-        assert "0002-bad.patch does not apply" in r.stderr
-    assert (site / "sglang" / "srt" / "mod.py").read_text() == "a = 1\nb = 2\nc = 3\n"  # the good one neither
-    assert not list(site.rglob("*.rej")) and not list(site.rglob("*.orig"))

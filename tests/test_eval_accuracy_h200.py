@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from sglang_compact.eval import cli as C
-from sglang_compact.eval.tasks import Sample
+from harness.eval import methods as M
+from harness.eval.rows import HF_DENSITY_SOURCE, SERVER_DENSITY_SOURCE
+from harness.eval.tasks import Sample
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -50,7 +51,8 @@ def test_dry_run_prints_the_plan(acc, tmp_path, capsys):
             assert flag in c, (flag, c)
         assert "--device cpu" not in c
     for c in compact:
-        assert "--compact-min-prefix-len 512 --compact-sink-blocks 2 --compact-recent-blocks 4" in c
+        assert "--compact-min-context 512 --compact-sink-blocks 2 --compact-recent-blocks 4" in c
+        assert "--compact-dense-tail 1024" in c
     assert sorted(int(c.split("--port ")[1].split()[0]) for c in cmds) == list(range(31000, 31007))
     assert "--compact-selector-params '{\"alpha\": 0.4}'" in out
     assert "--hf-worker" in out and "--dry-run --hf-worker" not in out
@@ -58,16 +60,18 @@ def test_dry_run_prints_the_plan(acc, tmp_path, capsys):
     assert not (tmp_path / "accuracy.json").exists()
 
 
-def test_dense_final_chunk_per_method(acc, tmp_path, capsys):
-    specs = ["compact:flashprefill:alpha=0.06", "compact:flashprefill:alpha=0.06,dense_final_chunk=0"]
+def test_dense_tail_per_method(acc, tmp_path, capsys):
+    specs = ["compact:flashprefill:alpha=0.06", "compact:flashprefill:alpha=0.06,dense_tail=0"]
     assert acc.main(["--dry-run", "--out", str(tmp_path), "--methods", *specs, "--hf-methods"]) == 0
     cmds = [line for line in capsys.readouterr().out.splitlines() if " -m sglang_compact" in line]
     assert len(cmds) == 2
-    on, off = cmds
-    assert "--compact-dense-final-chunk on" in on and "--compact-dense-final-chunk off" in off
+    default, off = cmds
+    assert "--compact-dense-tail 1024" in default and "--compact-dense-tail 0" in off
     assert "--compact-selector-params '{\"alpha\": 0.06}'" in off  # not a selector parameter
-    with pytest.raises(ValueError, match="dense_final_chunk must be 0 or 1"):
-        acc.main(["--dry-run", "--out", str(tmp_path), "--methods", "compact:flashprefill:dense_final_chunk=2"])
+    with pytest.raises(ValueError, match="dense_tail must be an integer >= 0"):
+        acc.main(["--dry-run", "--out", str(tmp_path), "--methods", "compact:flashprefill:dense_tail=-2"])
+    with pytest.raises(ValueError, match="replaced by dense_tail"):
+        acc.main(["--dry-run", "--out", str(tmp_path), "--methods", "compact:flashprefill:dense_final_chunk=1"])
 
 
 def test_bad_methods(acc, tmp_path):
@@ -99,7 +103,7 @@ def test_explicit_cells(acc, tmp_path, capsys):
 
 def test_cell_samples_are_the_suite_prompts(acc, model_dir):
     """A cell's prompts do not depend on which other cells run: the paired comparison across runs needs that."""
-    from sglang_compact.eval.tasks import load_tokenizer, make_suite
+    from harness.eval.tasks import load_tokenizer, make_suite
     tok = load_tokenizer(model_dir)
     suite = make_suite(tok, ["niah_multikey", "niah_single_word"], [1024], 3, seed=0)
     by_cell = acc.cell_samples(tok, [(1024, "niah_single_word")], 3, 0)
@@ -236,54 +240,56 @@ def test_rows_from_a_fake_server(acc, tmp_path):
         assert (r["model"], r["task"], r["length"], r["n"], r["device"]) == (
             "smollm2-135m-instruct", "niah_single_number", 2048, 4, "h200")
         assert r["accuracy"] == 50.0
-    assert c["params"] == {"alpha": 0.2, "chunk": 256, "page_size": 32, "min_prefix_len": 512, "sink_blocks": 2,
-                           "recent_blocks": 4, "dense_final_chunk": 1}
-    assert c["density"] == 0.25 and c["density_source"] == C.SERVER_DENSITY_SOURCE
+    assert c["params"] == {"alpha": 0.2, "chunk": 256, "page_size": 32, "min_context": 512, "sink_blocks": 2,
+                           "recent_blocks": 4, "dense_tail": 1024}
+    assert c["density"] == 0.25 and c["density_source"] == SERVER_DENSITY_SOURCE
     assert d["density"] is None and d["density_source"] is None and d["params"]["backend"] == "flashinfer"
     # HF rows: density from each record's own `density`
     hrecs = [{**s.as_dict(), "score": 1.0, "all_found": True, "seconds": 2.0, "density": 0.2 + 0.1 * i}
              for i, s in enumerate(samples)]
     (h,) = acc.cell_rows(hf, cell, hrecs, "smollm2-135m-instruct", "h200")
     assert h["method"] == "quoka" and h["params"]["runner"] == "hf" and h["params"]["dtype"] == "bfloat16"
-    assert h["density"] == pytest.approx(0.35) and h["density_source"] == C.HF_DENSITY_SOURCE
+    assert h["density"] == pytest.approx(0.35) and h["density_source"] == HF_DENSITY_SOURCE
     table = acc.summary_table(written + [h], [dense, run, hf], [2048, 4096])
     assert "compact:flashprefill:alpha=0.2" in table and "0.250 4x1" in table and "hf quoka" in table
 
 
 def test_cli_params_of_the_presets():
-    """The CPU preset's params: those of the rows already in accuracy.json, plus `dense_final_chunk` (rows from
-    before that option have no such key; they ran with every chunk compact, i.e. 0)."""
+    """The CPU preset's params: the selector's (defaults filled in), its `dense_tail` (tokens; rows of the earlier
+    design have `dense_final_chunk` and `min_prefix_len` instead) and the chunking / gate settings, where
+    `--min-prefix-len` is the server's min_context."""
     ns = argparse.Namespace(start="cpu-compact", selector="flashprefill", selector_params=None, alpha=0.06,
                             threshold=None, top_p=None, budget_density=None, chunk=256, page_size=32,
                             min_prefix_len=512, sink_blocks=2, recent_blocks=4)
-    assert C.method_and_params(ns) == ("compact-flashprefill", {"alpha": 0.06, "dense_final_chunk": 1, "chunk": 256,
-                                                                "page_size": 32, "min_prefix_len": 512,
+    assert M.method_and_params(ns) == ("compact-flashprefill", {"alpha": 0.06, "dense_tail": 1024, "chunk": 256,
+                                                                "page_size": 32, "min_context": 512,
                                                                 "sink_blocks": 2, "recent_blocks": 4})
-    ns.dense_final_chunk = "off"
-    assert C.method_and_params(ns)[1]["dense_final_chunk"] == 0
-    flags = C.compact_server_args("flashprefill", C.selector_params(ns), 512, 2, 4)
-    assert flags[flags.index("--compact-dense-final-chunk") + 1] == "off"
+    ns.dense_tail = 0
+    assert M.method_and_params(ns)[1]["dense_tail"] == 0
+    flags = M.compact_server_args("flashprefill", M.selector_params(ns), 512, 2, 4)
+    assert flags[flags.index("--compact-dense-tail") + 1] == "0"
+    assert flags[flags.index("--compact-min-context") + 1] == "512"
     assert json.loads(flags[flags.index("--compact-selector-params") + 1]) == {"alpha": 0.06}
-    del ns.dense_final_chunk
+    del ns.dense_tail
     ns.start = "cpu-compact-dense"
-    assert C.method_and_params(ns)[1] == {"chunk": 256, "page_size": 32, "min_prefix_len": 512, "sink_blocks": 2,
+    assert M.method_and_params(ns)[1] == {"chunk": 256, "page_size": 32, "min_context": 512, "sink_blocks": 2,
                                           "recent_blocks": 4}
     ns.start, ns.selector, ns.alpha = "cpu-compact", "budget", None
-    assert C.method_and_params(ns) == ("compact-budget", {"density": 0.3, "dense_final_chunk": 1, "chunk": 256,
-                                                          "page_size": 32, "min_prefix_len": 512, "sink_blocks": 2,
+    assert M.method_and_params(ns) == ("compact-budget", {"density": 0.3, "dense_tail": 1024, "chunk": 256,
+                                                          "page_size": 32, "min_context": 512, "sink_blocks": 2,
                                                           "recent_blocks": 4})
     ns.start, ns.hf_method = "hf", "quoka"
-    name, params = C.method_and_params(ns)
+    name, params = M.method_and_params(ns)
     assert name == "quoka" and "dtype" not in params and params["runner"] == "hf"
-    assert "dense_final_chunk" not in params  # the baseline as published: every chunk sparse
+    assert "dense_tail" not in params  # the baseline as published: every chunk sparse
     ns.hf_method = "blocksparse:flashprefill:alpha=0.06"
-    assert C.method_and_params(ns)[1]["dense_final_chunk"] == 1
-    ns.hf_method = "blocksparse:flashprefill:alpha=0.06,dense_final_chunk=0"
-    assert C.method_and_params(ns)[1]["dense_final_chunk"] == 0
+    assert M.method_and_params(ns)[1]["dense_tail"] == 1024
+    ns.hf_method = "blocksparse:flashprefill:alpha=0.06,dense_tail=0"
+    assert M.method_and_params(ns)[1]["dense_tail"] == 0
 
 
 def test_gpu_server_command(monkeypatch):
-    from sglang_compact.eval.server import SGLangServer
+    from harness.server import SGLangServer
     for k in ("SGLANG_USE_CPU_ENGINE", "TRITON_INTERPRET", "SGLANG_COMPACT_CPU_SHIM"):
         monkeypatch.delenv(k, raising=False)
     s = SGLangServer("/m", device="cuda", dtype="bfloat16", max_total_tokens=None, port=30001, log_path="/tmp/x.log",
@@ -297,10 +303,6 @@ def test_gpu_server_command(monkeypatch):
     assert "--device cpu" in " ".join(cpu.command) and "--max-total-tokens 8192" in " ".join(cpu.command)
     assert cpu.env["SGLANG_USE_CPU_ENGINE"] == "1" and cpu.require_cpu_shim
 
-
-@pytest.fixture(scope="module")
-def model_dir(smollm2_dir) -> Path:
-    return smollm2_dir
 
 
 def _stub_server():
@@ -328,8 +330,8 @@ def _stub_server():
                 self._send(b"{}")
 
         def do_GET(self):
-            text = (f'sglang:compact_density_forward_sum{{stage="after_group"}} {state["sum"]}\n'
-                    f'sglang:compact_density_forward_count{{stage="after_group"}} {state["count"]}\n')
+            text = (f'sglang:compact_density_forward_sum{{model_name="m"}} {state["sum"]}\n'
+                    f'sglang:compact_density_forward_count{{model_name="m"}} {state["count"]}\n')
             self._send(text.encode(), "text/plain")
 
         def log_message(self, *a):
@@ -391,7 +393,7 @@ def test_main_with_stub_servers(acc, model_dir, tmp_path, monkeypatch, capsys):
 def test_main_start_failures(acc, model_dir, tmp_path, monkeypatch, capsys):
     """A server that dies of memory at start is retried once; one that never comes up is given up on and
     stopped; the others are evaluated."""
-    from sglang_compact.eval.server import ServerError
+    from harness.server import ServerError
     stubs = []
 
     class FlakyServer:

@@ -1,4 +1,4 @@
-"""Offline fidelity (`sglang_compact.eval.fidelity`) on a tiny random Llama (no real weights needed)."""
+"""Offline fidelity (`harness.eval.fidelity`) on a tiny random Llama (no real weights needed)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from sglang_compact.eval import fidelity as F  # noqa: E402
+from harness.eval import fidelity as F  # noqa: E402
 
 PAGE, CHUNK, T = 16, 64, 300
 
@@ -50,42 +50,95 @@ def test_capture_reproduces_the_models_attention(tiny):
 def test_simulate_methods(tiny):
     model, ids = tiny
     layers = F.capture_qkv(model, ids)
-    methods = ["dense", "compact:dense", "compact:budget:density=0.3", "compact:flashprefill:alpha=0.5",
-               "blocksparse:flashprefill:alpha=0.5", "compact:oracle:top_p=0.9", "compact:xattention:threshold=0.9",
+    # dense_tail=0: the 300-token prompt is shorter than the default dense tail (1024 tokens)
+    methods = ["dense", "compact:dense:dense_tail=0", "compact:budget:density=0.3,dense_tail=0",
+               "compact:budget:density=1.0,dense_tail=0", "compact:flashprefill:alpha=0.5,dense_tail=0",
+               "blocksparse:flashprefill:alpha=0.5,dense_tail=0", "compact:oracle:top_p=0.9,dense_tail=0",
+               "compact:xattention:threshold=0.9,dense_tail=0", "blocksparse:xattention:threshold=0.9,dense_tail=0",
                "quoka:query_ratio=0.5,kv_budget=0.25"]
-    r = F.simulate(layers, methods, chunk=CHUNK, page_size=PAGE, min_prefix_len=CHUNK, sink_blocks=1,
+    r = F.simulate(layers, methods, chunk=CHUNK, page_size=PAGE, min_context=CHUNK, sink_blocks=1,
                    recent_blocks=1)
-    # chunks start at 64, 128, 192, 256
-    assert r.compact_chunks == 4
+    # windows of 64 tokens (the chunk size): windows 1.. have >= 64 tokens of context; the chunk 256..300 is a partial
+    # window, which the gate keeps dense (it reaches past the prompt's end): chunks 64, 128, 192 are replayed
+    assert r.compact_chunks == 3
     s = r.summary()
-    for m in ("dense", "compact-dense()"):
-        assert s[m]["rel_err"] < 1e-5 and abs(s[m]["recall"] - 1) < 1e-6 and s[m]["density"] == 1.0
-    b = s["compact-budget(density=0.3)"]
+    for m in ("dense", "compact-dense(dense_tail=0)", "compact-budget(dense_tail=0,density=1.0)"):
+        assert s[m]["rel_err"] < 1e-5 and abs(s[m]["recall"] - 1) < 1e-6 and s[m]["density"] == 1.0, m
+    assert s["dense"]["rel_err"] == 0.0
+    b = s["compact-budget(dense_tail=0,density=0.3)"]
     assert 0.3 <= b["density"] < 0.8 and b["recall"] < 1 and b["rel_err"] > 1e-4
-    # the unions only add blocks: compact reads at least what block-sparse reads, and loses less mass
-    c, bs = s["compact-flashprefill(alpha=0.5)"], s["blocksparse-flashprefill(alpha=0.5)"]
-    assert c["density"] >= bs["density"] - 1e-9 and c["recall"] >= bs["recall"] - 1e-9
+    # the group and window unions only add pages: compact reads at least what block-sparse reads, and loses less
+    for sel in ("flashprefill(alpha=0.5,dense_tail=0)", "xattention(dense_tail=0,threshold=0.9)"):
+        c, bs = s[f"compact-{sel}"], s[f"blocksparse-{sel}"]
+        assert c["density"] >= bs["density"] - 1e-9 and c["recall"] >= bs["recall"] - 1e-9, sel
+    # (a random tiny model attends almost uniformly: flashprefill keeps every page at alpha 0.5; xattention's
+    # top-p drops some per head and q-block, which the unions over a window's 4 q-blocks and 2 heads restore)
+    c, bs = s["compact-xattention(dense_tail=0,threshold=0.9)"], s["blocksparse-xattention(dense_tail=0,threshold=0.9)"]
+    assert bs["density"] < c["density"] <= 1 and bs["rel_err"] > c["rel_err"] and bs["recall"] < c["recall"]
     q = s["quoka(kv_budget=0.25,query_ratio=0.5)"]
-    assert abs(q["density"] - 0.25) < 0.02
+    assert abs(q["density"] - 0.25) < 0.02 and q["recall"] < 1
     for m, v in s.items():
         assert 0 <= v["density"] <= 1 and 0 <= v["recall"] <= 1 + 1e-6 and not math.isnan(v["rel_err"]), m
     assert all(len(x) == 2 for d in r.per_layer.values() for x in d.values())
     # density-only mode agrees on densities
-    r2 = F.simulate(layers, methods[2:4], chunk=CHUNK, page_size=PAGE, min_prefix_len=CHUNK, sink_blocks=1,
-                    recent_blocks=1, density_only=True)
+    r2 = F.simulate(layers, methods[2:6] + methods[-1:], chunk=CHUNK, page_size=PAGE, min_context=CHUNK,
+                    sink_blocks=1, recent_blocks=1, density_only=True)
     for m in r2.per_layer:
         assert r2.per_layer[m]["density"] == pytest.approx(r.per_layer[m]["density"])
     md = F.fidelity_markdown(r.as_dict(), "tiny")
-    assert "| compact-budget(density=0.3) |" in md
+    assert "| compact-budget(dense_tail=0,density=0.3) |" in md and "64 tokens of context" in md
+
+
+def test_recall_and_error_against_a_direct_computation(tiny):
+    """Layer 1 by hand: per chunk, recall is the dense causal softmax mass on the keys the method reads (the compact
+    table's pages per window, causally), the output is attention over exactly those keys, and the replay's figures
+    are the means over the chunks."""
+    model, ids = tiny
+    lq = F.capture_qkv(model, ids)[1]
+    m = F.parse_method("compact:budget:density=0.3,dense_tail=0")
+    cfg = m.config(PAGE, 1, 1, CHUNK)
+    G = 2
+    recalls, errs = [], []
+    for s, e in [(64, 128), (128, 192), (192, 256)]:
+        batch = F.chunk_batch(lq.q[s:e], lq.k, lq.v, s, PAGE, lq.scale, m.gate(cfg, CHUNK), T)
+        o, allowed, d = F.run_method(m, batch, 1, cfg, F.CompactAttention(cfg))
+        k = lq.k[:e].transpose(0, 1).repeat_interleave(G, 0)                    # [H_q, E, D]
+        v = lq.v[:e].transpose(0, 1).repeat_interleave(G, 0)
+        logits = lq.q[s:e].transpose(0, 1) @ k.transpose(1, 2) * lq.scale     # [H_q, C, E]
+        causal = torch.arange(e)[None, :] <= torch.arange(s, e)[:, None]
+        probs = torch.softmax(logits.masked_fill(~causal, float("-inf")), -1)
+        keep = allowed.repeat_interleave(G, 0)
+        assert not (keep & ~causal).any() and keep[:, torch.arange(e - s), torch.arange(s, e)].all()  # own token
+        recalls.append(float((probs * keep).sum(-1).mean()))
+        assert 0 < recalls[-1] < 1 and 0.3 <= d < 0.8
+        want = (torch.softmax(logits.masked_fill(~keep, float("-inf")), -1) @ v).transpose(0, 1)
+        torch.testing.assert_close(o, want, rtol=1e-4, atol=1e-5)
+        dense = (probs @ v).transpose(0, 1)
+        errs.append(float((o - dense).norm() / dense.norm()))
+    r = F.simulate([lq], [m], chunk=CHUNK, page_size=PAGE, min_context=CHUNK, sink_blocks=1, recent_blocks=1)
+    assert r.compact_chunks == 3
+    assert r.per_layer[m.label]["recall"][0] == pytest.approx(sum(recalls) / 3, rel=1e-5)
+    assert r.per_layer[m.label]["rel_err"][0] == pytest.approx(sum(errs) / 3, rel=1e-3)
+
+
+def test_blocksparse_needs_a_per_head_choice(tiny):
+    model, ids = tiny
+    layers = F.capture_qkv(model, ids)
+    with pytest.raises(ValueError, match="blocksparse supports flashprefill"):
+        F.simulate(layers, ["blocksparse:budget:density=0.3,dense_tail=0"], chunk=CHUNK, page_size=PAGE,
+                   min_context=CHUNK, layer_ids=[0])
 
 
 def test_offline_density_and_parse(tiny):
     model, ids = tiny
-    d = F.offline_density(model, ids, "compact:budget:density=0.3", chunk=CHUNK, page_size=PAGE,
-                          min_prefix_len=CHUNK, sink_blocks=1, recent_blocks=1)
+    d = F.offline_density(model, ids, "compact:budget:density=0.3,dense_tail=0", chunk=CHUNK, page_size=PAGE,
+                          min_context=CHUNK, sink_blocks=1, recent_blocks=1)
     assert 0.3 <= d < 1
     assert F.offline_density(model, ids[:60], "compact:budget:density=0.3", chunk=CHUNK, page_size=PAGE,
-                             min_prefix_len=CHUNK) is None  # one chunk, no prefix
+                             min_context=CHUNK) is None  # one chunk, no context
+    # the default dense tail (1024 tokens) covers the whole 300-token prompt: no q-block goes sparse
+    assert F.offline_density(model, ids, "compact:budget:density=0.3", chunk=CHUNK, page_size=PAGE,
+                             min_context=CHUNK) is None
     m = F.parse_method("compact:flashprefill:alpha=0.06")
     assert m.kind == "compact" and dict(m.params) == {"alpha": 0.06}
     assert F.parse_method("quoka").params == (("kv_budget", 0.25), ("query_ratio", 0.25))
@@ -94,38 +147,53 @@ def test_offline_density_and_parse(tiny):
 
 
 def test_hf_chunked_generation(tiny):
-    from sglang_compact.eval import hf_runner as H
+    from harness.eval import hf_runner as H
     model, ids = tiny
-    kw = dict(max_new_tokens=6, chunk=CHUNK, page_size=PAGE, min_prefix_len=CHUNK, sink_blocks=1, recent_blocks=1)
+    kw = dict(max_new_tokens=6, chunk=CHUNK, page_size=PAGE, min_context=CHUNK, sink_blocks=1, recent_blocks=1)
     ref = H.generate(model, ids, "dense", **kw)
     assert len(ref.output_ids) == 6 and ref.density is None
     # plain HF greedy generation (one prefill pass, SDPA) gives the same tokens
     model.set_attn_implementation("sdpa")
     plain = model.generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False, min_new_tokens=6)[0, T:].tolist()
     assert ref.output_ids == plain
-    same = H.generate(model, ids, "compact:dense", **kw)
-    assert same.output_ids == ref.output_ids and same.density == 1.0
-    for m in ("compact:budget:density=0.3", "blocksparse:budget:density=0.3", "quoka"):
+    same = H.generate(model, ids, "compact:dense:dense_tail=0", **kw)
+    assert same.output_ids == ref.output_ids and same.density == 1.0 and len(same.densities) == 2 * 3
+    for m in ("compact:budget:density=0.3,dense_tail=0", "blocksparse:xattention:threshold=0.9,dense_tail=0", "quoka"):
         g = H.generate(model, ids, m, **kw)
-        assert len(g.output_ids) == 6 and 0 < g.density < 1, m
+        assert len(g.output_ids) == 6 and 0 < g.density < 1 and len(g.densities) == 2 * 3, m
+    # the default dense tail covers the whole prompt: nothing sparse, SDPA throughout
+    assert H.generate(model, ids, "compact:budget:density=0.3", **kw).density is None
 
 
-def test_dense_final_chunk_in_the_replay_and_the_hf_runner(tiny):
-    """`dense_final_chunk` (on by default for compact/blocksparse): the prompt's last chunk reads every prefix block,
-    at density 1.0 and zero error, in the offline replay and in the HF runner alike; the earlier chunks are the same."""
-    from sglang_compact.eval import hf_runner as H
+def test_dense_tail_in_the_replay_and_the_hf_runner(tiny):
+    """`dense_tail` (default `CompactConfig.dense_tail` for compact/blocksparse, 0 for quoka): the windows holding
+    any of the prompt's last `dense_tail` tokens read every page. With 64 of 300 tokens (windows of 64 tokens),
+    windows from (300 - 64) // 64 = 3 on are dense: the chunk 192..256 is dense with it and sparse without (density
+    1.0 and no error in the replay; SDPA, not recorded, in the HF runner)."""
+    from harness.eval import hf_runner as H
     model, ids = tiny
-    on, off = "compact:budget:density=0.3", "compact:budget:density=0.3,dense_final_chunk=0"
-    assert F.parse_method(on).dense_final_chunk and not F.parse_method(off).dense_final_chunk
-    assert not F.parse_method("quoka").dense_final_chunk and F.parse_method("quoka:dense_final_chunk=1").dense_final_chunk
+    on, off = "compact:budget:density=0.3,dense_tail=64", "compact:budget:density=0.3,dense_tail=0"
+    assert F.parse_method(on).dense_tail == 64 and F.parse_method(off).dense_tail == 0
+    assert F.parse_method("compact:budget:density=0.3").dense_tail == F.CompactConfig.dense_tail
+    assert F.parse_method("quoka").dense_tail == 0 and F.parse_method("quoka:dense_tail=32").dense_tail == 32
+    with pytest.raises(ValueError, match="dense_tail must be an integer >= 0"):
+        _ = F.parse_method("compact:budget:dense_tail=-1").dense_tail
+    with pytest.raises(ValueError, match="replaced by dense_tail"):
+        _ = F.parse_method("compact:budget:dense_final_chunk=1").dense_tail
     layers = F.capture_qkv(model, ids)
-    r = F.simulate(layers, [on, off], chunk=CHUNK, page_size=PAGE, min_prefix_len=CHUNK, sink_blocks=1,
+    r = F.simulate(layers, [on, off], chunk=CHUNK, page_size=PAGE, min_context=CHUNK, sink_blocks=1,
                    recent_blocks=1)
-    s_on, s_off = r.summary()["compact-budget(density=0.3)"], r.summary()["compact-budget(dense_final_chunk=0,density=0.3)"]
-    # 4 compact chunks per layer; only the last differs: (3x + 1) / 4 against (3x + y) / 4, y < 1
+    assert r.compact_chunks == 3
+    s_on = r.summary()["compact-budget(dense_tail=64,density=0.3)"]
+    s_off = r.summary()["compact-budget(dense_tail=0,density=0.3)"]
+    # budget densities depend on the lengths only: the third chunk is 1.0 against y < 1, the others the same
     assert 0 < s_on["density"] - s_off["density"] < 0.25
     assert s_on["rel_err"] < s_off["rel_err"] and s_on["recall"] > s_off["recall"]
-    kw = dict(max_new_tokens=4, chunk=CHUNK, page_size=PAGE, min_prefix_len=CHUNK, sink_blocks=1, recent_blocks=1)
+    kw = dict(max_new_tokens=4, chunk=CHUNK, page_size=PAGE, min_context=CHUNK, sink_blocks=1, recent_blocks=1)
     g_on, g_off = H.generate(model, ids, on, **kw), H.generate(model, ids, off, **kw)
-    # 2 layers x 4 chunks each: the last chunk's two entries are 1.0 against y0 + y1 < 2
-    assert 0 < (g_on.density - g_off.density) * 8 < 2
+    # 2 layers x (2 sparse chunks on, 3 off); budget densities are those of the replay, without its dense chunk
+    assert len(g_on.densities) == 4 and len(g_off.densities) == 6
+    d_on = r.per_layer[F.parse_method(on).label]["density"][0]
+    d_off = r.per_layer[F.parse_method(off).label]["density"][0]
+    assert g_off.density == pytest.approx(d_off)
+    assert g_on.density == pytest.approx((3 * d_on - 1.0) / 2)

@@ -1,4 +1,4 @@
-"""Paired comparison of two methods' scored predictions (`sglang_compact.eval.paired`, `eval_longctx.py paired`)."""
+"""Paired comparison of two methods' scored predictions (`harness.eval.paired`, `eval_longctx.py paired`)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from sglang_compact.eval.paired import load_scores, paired_difference
+from harness.eval.paired import load_scores, paired_difference
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 

@@ -1,4 +1,4 @@
-"""The RULER-style task generator and scorers (`sglang_compact.eval.tasks`), and the results table.
+"""The RULER-style task generator and scorers (`harness.eval.tasks`), and the results table.
 
 Most tests use a toy word tokenizer (no model needed); the length-targeting
 test also runs with SmolLM2's real tokenizer when models/ has it (the server
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from sglang_compact.eval import results as R
-from sglang_compact.eval.tasks import TASKS, make_sample, make_suite, score_string_match_all
+from harness.eval import results as R
+from harness.eval.tasks import TASKS, make_sample, make_suite, score_string_match_all
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 MODEL_DIR = REPO_ROOT / "models" / "smollm2-135m-instruct"
@@ -39,7 +39,7 @@ class WordTokenizer:
 def real_tokenizer():
     if not (MODEL_DIR / "tokenizer.json").exists():
         return None
-    from sglang_compact.eval.tasks import load_tokenizer
+    from harness.eval.tasks import load_tokenizer
     return load_tokenizer(str(MODEL_DIR))
 
 

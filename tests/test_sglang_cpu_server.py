@@ -31,15 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from serving import SGLangServer  # noqa: E402
 
-MODEL_DIR = REPO_ROOT / "models" / "smollm2-135m-instruct"
 NEW_TOKENS = 24
 
-
-@pytest.fixture(scope="module")
-def model_dir() -> Path:
-    from convert_smollm2 import convert
-
-    return convert(MODEL_DIR, "float32", quiet=True)
 
 
 @pytest.fixture(scope="module")

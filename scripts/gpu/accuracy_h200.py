@@ -6,16 +6,17 @@
 
 One SGLang server per server method, all started together on the one GPU
 (distinct ports, small capped KV pools), then evaluated together: one client
-thread per server, through `sglang_compact.eval.cli.run_samples` (URL mode:
+thread per server, through `harness.eval.runs.run_samples` (URL mode:
 greedy, `/flush_cache` before every prompt, density from the server's
 `/metrics`, never the offline replay). Server methods (`--methods`):
   dense                   stock `sglang.launch_server --attention-backend flashinfer`
   compact:SEL[:k=v,...]   `sglang_compact.launch_server --attention-backend compact --compact-selector SEL`
-                          (min prefix 512, sink 2, recent 4 as in the CPU rows; `--enable-metrics`);
-                          k=v may include dense_final_chunk=0|1 (`--compact-dense-final-chunk off|on`,
-                          default on), recorded in every compact row's params
+                          (min context 512, sink 2, recent 4 as in the CPU rows; `--enable-metrics`);
+                          k=v may include dense_tail=N (`--compact-dense-tail N`: the prompt's last N
+                          tokens read every page; default the backend's), recorded in every compact
+                          row's params
 HF methods (`--hf-methods`, e.g. quoka, blocksparse:flashprefill:alpha=0.4) run
-in-process with HF transformers (`sglang_compact.eval.hf_runner`) on the GPU,
+in-process with HF transformers (`harness.eval.hf_runner`) on the GPU,
 in a child process of this script, alongside the servers, on the first
 `--hf-n` prompts of each cell.
 
@@ -68,12 +69,16 @@ from typing import Any, Callable, Sequence
 
 T0 = time.monotonic()
 REPO = Path(__file__).resolve().parents[2]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO))  # the repository root: `harness`
+# the accuracy.json a new --results starts from
+BASE_RESULTS = REPO / "docs" / "results" / "accuracy.json"
 
-from sglang_compact.eval import cli as C  # noqa: E402
-from sglang_compact.eval import results as R  # noqa: E402
-from sglang_compact.eval.tasks import TASKS, LENGTHS  # noqa: E402
+from harness.eval import results as R  # noqa: E402
+from harness.eval.client import Client  # noqa: E402
+from harness.eval.methods import compact_method_params, compact_server_args, hf_method_params  # noqa: E402
+from harness.eval.rows import HF_DENSITY_SOURCE, SERVER_DENSITY_SOURCE, accuracy_rows, cell_densities  # noqa: E402
+from harness.eval.runs import load_hf_model, run_samples, run_samples_hf  # noqa: E402
+from harness.eval.tasks import TASKS, LENGTHS  # noqa: E402
 
 DEFAULT_METHODS = (
     "dense",
@@ -118,7 +123,7 @@ class MethodRun:
 
 def server_run(spec: str, a) -> MethodRun:
     """A server method from its spec: `dense` or `compact:SELECTOR[:k=v,...]`."""
-    from sglang_compact.eval.fidelity import parse_method
+    from harness.eval.fidelity import parse_method
     m = parse_method(spec)
     common = ["--mem-fraction-static", str(a.mem_fraction_static),
               "--cuda-graph-max-bs-decode", str(a.cuda_graph_max_bs), "--disable-prefill-cuda-graph"]
@@ -133,27 +138,27 @@ def server_run(spec: str, a) -> MethodRun:
         raise ValueError(f"{spec!r}: server methods are dense | compact:SELECTOR[:k=v,...]; "
                          "blocksparse:* and quoka run in-process (--hf-methods)")
     sel_params = dict(m.params)
-    method, params = C.compact_method_params(m.selector, sel_params, chunk=a.chunk, page_size=a.page_size,
-                                             min_prefix_len=a.min_prefix_len, sink_blocks=a.sink_blocks,
-                                             recent_blocks=a.recent_blocks)
-    extra = C.compact_server_args(m.selector, sel_params, a.min_prefix_len, a.sink_blocks, a.recent_blocks)
+    method, params = compact_method_params(m.selector, sel_params, chunk=a.chunk, page_size=a.page_size,
+                                           min_context=a.min_prefix_len, sink_blocks=a.sink_blocks,
+                                           recent_blocks=a.recent_blocks)
+    extra = compact_server_args(m.selector, sel_params, a.min_prefix_len, a.sink_blocks, a.recent_blocks)
     return MethodRun(spec, "server", method, params, density_key="server_density",
-                     density_source=C.SERVER_DENSITY_SOURCE, dense_selector=m.selector == "dense",
+                     density_source=SERVER_DENSITY_SOURCE, dense_selector=m.selector == "dense",
                      module="sglang_compact.launch_server", extra_args=[*extra, *common, *a.compact_arg, *a.server_arg])
 
 
 def hf_run(spec: str, a) -> MethodRun:
-    method, params = C.hf_method_params(spec, chunk=a.chunk, page_size=a.page_size, min_prefix_len=a.min_prefix_len,
-                                        sink_blocks=a.sink_blocks, recent_blocks=a.recent_blocks, dtype=a.hf_dtype)
-    return MethodRun(spec, "hf", method, params, density_key="density", density_source=C.HF_DENSITY_SOURCE)
+    method, params = hf_method_params(spec, chunk=a.chunk, page_size=a.page_size, min_context=a.min_prefix_len,
+                                      sink_blocks=a.sink_blocks, recent_blocks=a.recent_blocks, dtype=a.hf_dtype)
+    return MethodRun(spec, "hf", method, params, density_key="density", density_source=HF_DENSITY_SOURCE)
 
 
 def make_server(run: MethodRun, a, log_dir: Path, port: int | None):
-    from sglang_compact.eval.server import SGLangServer
+    from harness.server import SGLangServer
     return SGLangServer(a.model_dir, module=run.module, device="cuda", dtype="bfloat16", page_size=a.page_size,
                         chunked_prefill_size=a.chunk, max_total_tokens=a.max_total_tokens, max_running_requests=4,
                         extra_args=run.extra_args, port=port, log_path=log_dir / f"server-{run.label}.log",
-                        start_timeout=a.start_timeout, request_timeout=a.request_timeout)
+                        start_timeout=a.start_timeout, request_timeout=a.request_timeout, cwd=REPO)
 
 
 # --- the cell schedule --------------------------------------------------------------------------------------
@@ -174,7 +179,7 @@ def parse_cell(text: str) -> Cell:
 
 def cell_samples(tokenizer, cells: Sequence[Cell], n: int, seed: int) -> dict[Cell, list]:
     """The first `n` prompts of every cell, as `make_suite` would make them (the same prompts for any cell list)."""
-    from sglang_compact.eval.tasks import make_sample
+    from harness.eval.tasks import make_sample
     return {(L, t): [make_sample(t, L, i, tokenizer, seed=seed) for i in range(n)] for L, t in cells}
 
 
@@ -283,7 +288,7 @@ def run_schedule(workers: Sequence, cells: Sequence[Cell], samples: dict[Cell, l
 
 
 class ServerWorker:
-    """One method's server, as a schedule worker (through `cli.run_samples`)."""
+    """One method's server, as a schedule worker (through `runs.run_samples`)."""
 
     def __init__(self, label: str, client, log_file=None):
         self.label = label
@@ -291,19 +296,19 @@ class ServerWorker:
         self.log_file = log_file
 
     def run_cell(self, samples: list, stop) -> list[dict]:
-        return C.run_samples(self.client, samples, self.label, flush=True, log_file=self.log_file, progress=False,
-                             stop=stop)
+        return run_samples(self.client, samples, self.label, flush=True, log_file=self.log_file, progress=False,
+                           stop=stop)
 
 
 class HFWorker:
-    """One in-process HF method (through `cli.run_samples_hf`, the model loaded once)."""
+    """One in-process HF method (through `runs.run_samples_hf`, the model loaded once)."""
 
     def __init__(self, label: str, ns: argparse.Namespace, model, tok, log_file=None):
         self.label, self.ns, self.model, self.tok, self.log_file = label, ns, model, tok, log_file
 
     def run_cell(self, samples: list, stop) -> list[dict]:
-        recs, _ = C.run_samples_hf(self.ns, samples, self.label, log_file=self.log_file, model=self.model,
-                                   tok=self.tok, progress=False, stop=stop)
+        recs, _ = run_samples_hf(self.ns, samples, self.label, log_file=self.log_file, model=self.model,
+                                 tok=self.tok, progress=False, stop=stop)
         return recs
 
 
@@ -323,10 +328,10 @@ def locked(path: Path):
 
 def cell_rows(run: MethodRun, cell: Cell, recs: list[dict], model_name: str, device: str) -> list[dict]:
     L, t = cell
-    dens = C.cell_densities(recs, run.density_key) if run.density_key else {}
-    return C.accuracy_rows(recs, model=model_name, method=run.method, params=run.params, device=device, tasks=[t],
-                           lengths=[L], densities=dens, density_source=run.density_source if dens else None,
-                           dense_selector=run.dense_selector)
+    dens = cell_densities(recs, run.density_key) if run.density_key else {}
+    return accuracy_rows(recs, model=model_name, method=run.method, params=run.params, device=device, tasks=[t],
+                         lengths=[L], densities=dens, density_source=run.density_source if dens else None,
+                         dense_selector=run.dense_selector)
 
 
 def row_writer(runs: dict[str, MethodRun], results: Path, model_name: str, device: str, written: list,
@@ -391,13 +396,13 @@ def hf_worker_main(a) -> int:
     deadline = time.monotonic() + (a.deadline_at - time.time())
     save()
     try:
-        from sglang_compact.eval.tasks import load_tokenizer
+        from harness.eval.tasks import load_tokenizer
         ns = argparse.Namespace(model=a.model_dir, hf_device=a.hf_device, hf_dtype=a.hf_dtype, chunk=a.chunk,
                                 page_size=a.page_size, min_prefix_len=a.min_prefix_len, sink_blocks=a.sink_blocks,
                                 recent_blocks=a.recent_blocks, hf_method=None)
         t = time.monotonic()
         tok = load_tokenizer(a.model_dir)
-        model = C.load_hf_model(ns)
+        model = load_hf_model(ns)
         print(f"HF model on {a.hf_device} ({a.hf_dtype}) in {time.monotonic() - t:.0f}s", flush=True)
         cells = a.hf_cells
         by_cell = cell_samples(tok, cells, a.hf_n, a.seed)
@@ -461,7 +466,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="kept at the end for stopping servers and writing (default %(default)s)")
     p.add_argument("--page-size", type=int, default=32)
     p.add_argument("--chunk", type=int, default=256, help="--chunked-prefill-size of every server")
-    p.add_argument("--min-prefix-len", type=int, default=512)
+    p.add_argument("--min-prefix-len", type=int, default=512,
+                   help="min_context of every method: windows with less context read every page "
+                        "(--compact-min-context; default %(default)s)")
     p.add_argument("--sink-blocks", type=int, default=2)
     p.add_argument("--recent-blocks", type=int, default=4)
     p.add_argument("--mem-fraction-static", type=float, default=0.3,
@@ -557,7 +564,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if a.base_port:
         ports = [a.base_port + i for i in range(len(server_runs))]
     else:
-        from sglang_compact.eval.server import free_port
+        from harness.server import free_port
         seen: set[int] = set()
         for i in range(len(server_runs)):
             p = free_port()
@@ -595,8 +602,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         d.mkdir(parents=True, exist_ok=True)
     if not a.results.exists():
         a.results.parent.mkdir(parents=True, exist_ok=True)
-        if R.ACCURACY_JSON.exists():
-            shutil.copyfile(R.ACCURACY_JSON, a.results)
+        if BASE_RESULTS.exists():
+            shutil.copyfile(BASE_RESULTS, a.results)
     summary: dict[str, Any] = {"date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                                "argv": argv, "deadline_s": a.deadline_s, "cells": [list(c) for c in cells],
                                "hf_cells": [list(c) for c in a.hf_cells] if hf_runs else [],
@@ -662,7 +669,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         by_cell: dict[Cell, list] = {}
         if server_runs:
-            from sglang_compact.eval.tasks import load_tokenizer
+            from harness.eval.tasks import load_tokenizer
             by_cell = cell_samples(load_tokenizer(a.model_dir), cells, a.n, a.seed)
             log(f"[{time.monotonic() - t0:5.0f}s] {len(cells) * a.n} prompts ready ({len(cells)} cells x {a.n})")
         # wait for every server, but not past the time the evaluation needs, nor long after the first is up
@@ -696,7 +703,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             rc = 1
         elif up:
             files = {r.label: open(pred_dir / f"{r.label}.jsonl", "a") for r in up}
-            workers = [ServerWorker(r.label, C.Client(r.server.base_url, timeout=a.request_timeout), files[r.label])
+            workers = [ServerWorker(r.label, Client(r.server.base_url, timeout=a.request_timeout), files[r.label])
                        for r in up]
             writer = row_writer({r.label: r for r in up}, a.results, a.model_name, a.device_label, written, log=log)
             log(f"[{time.monotonic() - t0:5.0f}s] evaluating {len(up)} methods, {len(cells)} cells, "

@@ -3,14 +3,20 @@
     source scripts/gpu/setup.sh; python3 scripts/gpu/serving_check.py --out $OUT
 
 Starts SGLang servers one after another on a Llama-3.1-8B config with dummy
-weights (`--load-format dummy --skip-tokenizer-init`, page 64):
+weights (`--load-format dummy --skip-tokenizer-init`, page 64), with SGLang's default
+(breakable) prefill CUDA graphs unless --no-prefill-graphs:
   1. stock `--attention-backend flashinfer`: greedy ids of N prompts (4K-32K tokens);
-  2. `compact` with selector `dense`: the same prompts, compared token for token
-     (at a divergence, the top-2 logprob gap of both servers is recorded);
+  2. `compact` with selector `dense` (and fa2, stock's kernels): the same prompts, compared token for
+     token (at a divergence, the top-2 logprob gap of both servers is recorded);
   3. `compact` with `flashprefill`: a 128K-token prompt with chunk 1024 (and a
      second server with chunk 8192), decode CUDA graphs on; 32 concurrent
      requests sharing prefixes; after a cache flush the pool's used-token count
-     returns to zero.
+     returns to zero;
+  4. tight memory (`tight`): stock `flashinfer` and `compact` (defaults: page summaries on) started with
+     the same high `--mem-fraction-static` (--tight-fraction) and no `--max-total-tokens`; compact's
+     pool must be stock's shrunk by the summaries' share (`sglang_compact/srt/memory.py`), then it is
+     filled past its token limit with concurrent long prompts, which must all complete without an
+     out-of-memory error, the pool returning to 0 used tokens.
 Writes `serving_check.json` and the server logs under --out.
 """
 
@@ -21,86 +27,36 @@ import concurrent.futures as cf
 import json
 import os
 import random
-import signal
-import socket
-import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))  # the repository root: `harness`
 sys.path.insert(0, str(REPO / "scripts"))
 from make_llama_config import write_model_dir  # noqa: E402
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from harness.server import GenerateResult, SGLangServer  # noqa: E402
 
 
-class Server:
-    def __init__(self, module, args, log_path, timeout=600):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_path
-        cmd = [sys.executable, "-m", module, "--host", "127.0.0.1", "--port", str(self.port), *args]
-        self.cmd = cmd
-        self.log = open(log_path, "w")
-        self.log.write("$ " + " ".join(cmd) + "\n")
-        self.log.flush()
-        t0 = time.time()
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited {self.proc.returncode}; see {log_path}:\n" + tail(log_path))
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=5):
-                    break
-            except Exception:
-                if time.time() - t0 > timeout:
-                    self.stop()
-                    raise RuntimeError(f"server did not start in {timeout}s:\n" + tail(log_path))
-                time.sleep(2)
-        self.start_s = time.time() - t0
+def start_server(module: str, model, args: list[str], log_path: Path, timeout: float = 600) -> SGLangServer:
+    """A started GPU server of `module` on `model` with exactly `args` (SGLang's defaults otherwise), its output in
+    `log_path`; stopped with SIGTERM, then its process group killed after 30 s."""
+    return SGLangServer(model, module=module, device="cuda", dtype=None, max_total_tokens=None,
+                        max_running_requests=None, extra_args=args, log_path=log_path, start_timeout=timeout,
+                        request_timeout=1200, stop_grace=30.0).start()
 
-    def post(self, path, payload, timeout=1200):
-        req = urllib.request.Request(self.url + path, data=json.dumps(payload).encode(),
-                                     headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            body = r.read()
-        try:
-            return json.loads(body)
-        except json.JSONDecodeError:  # e.g. /flush_cache answers plain text
-            return body.decode(errors="replace")
 
-    def get(self, path):
-        with urllib.request.urlopen(self.url + path, timeout=60) as r:
-            return json.loads(r.read())
+def generate(srv: SGLangServer, ids: list[int], n: int, logprobs: bool = False) -> GenerateResult:
+    """`n` greedy tokens after `ids` (EOS ignored); with `logprobs` the top-2 logprobs of every output token."""
+    extra = dict(return_logprob=True, top_logprobs_num=2, logprob_start_len=len(ids) - 1) if logprobs else None
+    return srv.generate(input_ids=ids, max_new_tokens=n, ignore_eos=True, request=extra)
 
-    def generate(self, ids, n, logprobs=False):
-        payload = {"input_ids": ids, "sampling_params": {"temperature": 0, "max_new_tokens": n, "ignore_eos": True}}
-        if logprobs:
-            payload.update(return_logprob=True, top_logprobs_num=2, logprob_start_len=len(ids) - 1)
-        t0 = time.time()
-        r = self.post("/generate", payload)
-        r["_wall_s"] = time.time() - t0
-        return r
 
-    def used_tokens(self):
-        loads = self.get("/v1/loads?include=core")
-        rows = loads.get("loads", loads) if isinstance(loads, dict) else loads
-        return [int(r.get("num_used_tokens", r.get("core", {}).get("num_used_tokens", -1))) for r in rows], loads
-
-    def stop(self):
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-        self.log.close()
+def used_tokens(srv: SGLangServer):
+    loads = srv.get_json("/v1/loads?include=core")
+    rows = loads.get("loads", loads) if isinstance(loads, dict) else loads
+    return [int(r.get("num_used_tokens", r.get("core", {}).get("num_used_tokens", -1))) for r in rows], loads
 
 
 def tail(path, n=4000):
@@ -125,15 +81,21 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=10)
     ap.add_argument("--new-tokens", type=int, default=8)
     ap.add_argument("--tp", type=int, default=1)
-    ap.add_argument("--skip", default="", help="comma list of steps to skip: dense,long,concurrent")
+    ap.add_argument("--skip", default="", help="comma list of steps to skip: dense,long,concurrent,tight")
+    ap.add_argument("--tight-fraction", type=float, default=0.93,
+                    help="--mem-fraction-static of the tight-memory step's servers")
+    ap.add_argument("--tight-prompt", type=int, default=32768, help="prompt length of the tight-memory step")
+    ap.add_argument("--no-prefill-graphs", action="store_true",
+                    help="--disable-prefill-cuda-graph for every server (default: SGLang's breakable prefill graphs)")
     a = ap.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     model = write_model_dir("/tmp/llama-3.1-8b-dummy", "llama-3.1-8b", a.layers)
     skip = set(filter(None, a.skip.split(",")))
-    common = ["--model-path", str(model), "--load-format", "dummy", "--skip-tokenizer-init", "--page-size", "64",
-              "--disable-prefill-cuda-graph", "--mem-fraction-static", "0.8", "--tp", str(a.tp),
-              "--max-running-requests", "48"]
+    common = ["--load-format", "dummy", "--skip-tokenizer-init", "--page-size", "64",
+              "--mem-fraction-static", "0.8", "--tp", str(a.tp), "--max-running-requests", "48"]
+    if a.no_prefill_graphs:
+        common.append("--disable-prefill-cuda-graph")
     rng = random.Random(0)
     lengths = [4096, 6000, 8192, 10000, 12288, 16384, 20000, 24576, 28000, 32000][:a.prompts]
     prompts = [[rng.randrange(1000, 120000) for _ in range(L)] for L in lengths]
@@ -145,40 +107,42 @@ def main() -> None:
 
     if "dense" not in skip:
         chunk = ["--chunked-prefill-size", "8192"]
-        srv = Server("sglang.launch_server", common + chunk + ["--attention-backend", "flashinfer"], out / "fi.log")
+        srv = start_server("sglang.launch_server", model, common + chunk + ["--attention-backend", "flashinfer"],
+                           out / "fi.log")
         try:
-            want = [srv.generate(p, a.new_tokens, logprobs=True) for p in prompts]
+            want = [generate(srv, p, a.new_tokens, logprobs=True) for p in prompts]
         finally:
             srv.stop()
-        srv = Server("sglang_compact.launch_server", common + chunk + [
-            "--attention-backend", "compact", "--compact-selector", "dense", "--compact-min-prefix-len", "0"],
+        srv = start_server("sglang_compact.launch_server", model, common + chunk + [
+            # the stock path on stock's kernels (fa2): equal numbers, not just equal tokens, are expected
+            "--attention-backend", "compact", "--compact-selector", "dense", "--compact-prefill-kernel", "fa2"],
             out / "compact_dense.log")
         try:
-            got = [srv.generate(p, a.new_tokens, logprobs=True) for p in prompts]
+            got = [generate(srv, p, a.new_tokens, logprobs=True) for p in prompts]
         finally:
             srv.stop()
         rows = []
         for L, w, g in zip(lengths, want, got):
-            wi, gi = w["output_ids"], g["output_ids"]
+            wi, gi = w.output_ids, g.output_ids
             k = next((i for i, (x, y) in enumerate(zip(wi, gi)) if x != y), None)
             rows.append({"len": L, "equal": wi == gi, "first_divergence": k,
-                         "gap_flashinfer": None if k is None else top2_gap(w["meta_info"], k),
-                         "gap_compact": None if k is None else top2_gap(g["meta_info"], k),
-                         "fi_s": round(w["_wall_s"], 3), "compact_s": round(g["_wall_s"], 3)})
+                         "gap_flashinfer": None if k is None else top2_gap(w.meta_info, k),
+                         "gap_compact": None if k is None else top2_gap(g.meta_info, k),
+                         "fi_s": round(w.seconds, 3), "compact_s": round(g.seconds, 3)})
         report["steps"]["dense_vs_flashinfer"] = {"rows": rows, "equal": sum(r["equal"] for r in rows),
                                                   "n": len(rows)}
         save()
 
     if "long" not in skip:
         for chunk in (1024, 8192):
-            srv = Server("sglang_compact.launch_server", common + [
+            srv = start_server("sglang_compact.launch_server", model, common + [
                 "--chunked-prefill-size", str(chunk), "--attention-backend", "compact",
                 "--compact-selector", "flashprefill", "--context-length", "131072"], out / f"compact_long_{chunk}.log")
             try:
                 ids = [rng.randrange(1000, 120000) for _ in range(128 * 1024 - 64)]
-                r = srv.generate(ids, a.new_tokens)
-                step = {"prompt_tokens": len(ids), "ok": len(r["output_ids"]) == a.new_tokens,
-                        "wall_s": round(r["_wall_s"], 2), "server_start_s": round(srv.start_s, 1),
+                r = generate(srv, ids, a.new_tokens)
+                step = {"prompt_tokens": len(ids), "ok": len(r.output_ids) == a.new_tokens,
+                        "wall_s": round(r.seconds, 2), "server_start_s": round(srv.startup_seconds, 1),
                         "cuda_graph_decode": "Capture cuda graph" in tail(out / f"compact_long_{chunk}.log", 10**7)
                         or "cuda graph" in tail(out / f"compact_long_{chunk}.log", 10**7).lower()}
                 report["steps"][f"long_{chunk}"] = step
@@ -186,25 +150,88 @@ def main() -> None:
                 if chunk == 1024 and "concurrent" not in skip:
                     srv.post("/flush_cache", {})
                     time.sleep(2)
-                    used0, _ = srv.used_tokens()
+                    used0, _ = used_tokens(srv)
                     doc = [rng.randrange(1000, 120000) for _ in range(8192)]
                     reqs = [doc[: 4096 + 64 * (i % 8)] + [rng.randrange(1000, 120000) for _ in range(200 + i)]
                             for i in range(32)]
                     with cf.ThreadPoolExecutor(32) as ex:
-                        outs = list(ex.map(lambda p: srv.generate(p, a.new_tokens), reqs))
+                        outs = list(ex.map(lambda p: generate(srv, p, a.new_tokens), reqs))
                     srv.post("/flush_cache", {})
                     time.sleep(2)
-                    used1, loads = srv.used_tokens()
-                    step["concurrent"] = {"n": len(outs), "ok": all(len(o["output_ids"]) == a.new_tokens for o in outs),
-                                          "cached_tokens": [o["meta_info"].get("cached_tokens") for o in outs],
+                    used1, loads = used_tokens(srv)
+                    step["concurrent"] = {"n": len(outs), "ok": all(len(o.output_ids) == a.new_tokens for o in outs),
+                                          "cached_tokens": [o.meta_info.get("cached_tokens") for o in outs],
                                           "used_tokens_before": used0, "used_tokens_after_flush": used1,
                                           "loads_after": loads}
                 report["steps"][f"long_{chunk}"] = step
                 save()
             finally:
                 srv.stop()
+    if "tight" not in skip:
+        report["steps"]["tight_memory"] = tight_memory(a, model, out, rng, save, report)
     save()
     print(json.dumps(report, indent=1)[-6000:])
+
+
+def tight_memory(a, model, out: Path, rng, save, report) -> dict:
+    from sglang_compact.srt.memory import summary_bytes_per_token
+    import torch
+
+    cfg = json.loads((Path(model) / "config.json").read_text())
+    layers, kv_heads = cfg["num_hidden_layers"], cfg["num_key_value_heads"] // a.tp
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    cell = kv_heads * 2 * head_dim * layers * 2          # bf16 K and V of every layer, per token
+    share = summary_bytes_per_token(cell, layers, torch.bfloat16, 64)
+    common = ["--load-format", "dummy", "--skip-tokenizer-init", "--page-size", "64", "--tp", str(a.tp),
+              "--mem-fraction-static", str(a.tight_fraction), "--chunked-prefill-size", "8192",
+              "--context-length", str(a.tight_prompt + 256)]
+    step = {"fraction": a.tight_fraction, "cell_bytes": cell, "summary_bytes": share}
+    report["steps"]["tight_memory"] = step
+    srv = start_server("sglang.launch_server", model, common + ["--attention-backend", "flashinfer"],
+                       out / "tight_fi.log")
+    try:
+        step["stock_tokens"] = int(srv.get_json("/server_info")["max_total_num_tokens"])
+    finally:
+        srv.stop()
+    save()
+    srv = start_server("sglang_compact.launch_server", model, common + ["--attention-backend", "compact"],
+                       out / "tight_compact.log")
+    try:
+        pool = int(srv.get_json("/server_info")["max_total_num_tokens"])
+        step["compact_tokens"] = pool
+        step["ratio"] = round(pool / step["stock_tokens"], 5)
+        step["expected_ratio"] = round(cell / (cell + share), 5)
+        n = int(1.3 * pool / a.tight_prompt) + 1
+        prompts = [[rng.randrange(1000, 120000) for _ in range(a.tight_prompt)] for _ in range(n)]
+        peak, done = [0], [False]
+
+        def watch():
+            while not done[0]:
+                used, _ = used_tokens(srv)
+                peak[0] = max(peak[0], max(used))
+                time.sleep(0.5)
+
+        t0 = time.time()
+        with cf.ThreadPoolExecutor(n + 1) as ex:
+            watcher = ex.submit(watch)
+            try:
+                outs = list(ex.map(lambda p: generate(srv, p, a.new_tokens), prompts))
+            finally:
+                done[0] = True
+                watcher.result(timeout=30)
+        time.sleep(2)
+        used, _ = used_tokens(srv)
+        log = tail(out / "tight_compact.log", 10**8)
+        runtime = log[log.find("The server is fired up"):]
+        step.update(prompts=n, prompt_tokens=a.tight_prompt, wall_s=round(time.time() - t0, 1),
+                    ok=all(len(o.output_ids) == a.new_tokens for o in outs), peak_used=peak[0],
+                    peak_fraction=round(peak[0] / pool, 3), used_after=used,
+                    oom="out of memory" in runtime.lower(), traceback="Traceback" in runtime,
+                    alive=srv.proc.poll() is None)
+    finally:
+        srv.stop()
+    save()
+    return step
 
 
 if __name__ == "__main__":

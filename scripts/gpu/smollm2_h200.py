@@ -60,13 +60,14 @@ import traceback
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))  # the repository root: `harness`
 sys.path.insert(0, str(REPO / "scripts"))
 sys.path.insert(0, str(REPO / "scripts" / "gpu"))
 sys.path.insert(0, str(REPO / "tests"))
 
 from serving_check import top2_gap  # noqa: E402
 
-from sglang_compact.eval.server import BASE_ARGS, SERVER_ENV, SGLangServer  # noqa: E402
+from harness.server import BASE_ARGS, SERVER_ENV, SGLangServer  # noqa: E402
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_SIZE = 98_362_432
@@ -254,28 +255,14 @@ def step_convert(a, rec: dict, logs: Path) -> None:
 
 # --- servers ----------------------------------------------------------------------------------------
 
-class Server(SGLangServer):
-    """`sglang_compact.eval.server.SGLangServer` (own process group, free port, /health wait, killed as a
-    whole on stop) with the flags and environment given here instead of its CPU ones."""
-
-    def __init__(self, name: str, module: str, flags: list[str], model_dir: Path, logs: Path, cpu: bool):
-        super().__init__(model_dir, module=module, log_path=logs / f"server_{name}.log", request_timeout=180,
-                         require_cpu_shim=cpu)
-        self.name, self.flags = name, list(flags)
-        self.args = ["--model-path", str(model_dir), "--host", self.host, "--port", str(self.port), *flags]
-        env = dict(os.environ)
-        for k in ("SGLANG_USE_HND_KVCACHE", "PROMETHEUS_MULTIPROC_DIR"):  # each server sets its own
-            env.pop(k, None)
-        env.update(TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
-                   PYTHONUNBUFFERED="1")
-        if cpu:
-            env.update(SERVER_ENV)
-        self.env = env
-
-    def get_text(self, path: str) -> str:
-        import urllib.request
-        with urllib.request.urlopen(self.base_url + path, timeout=60) as r:
-            return r.read().decode(errors="replace")
+def make_server(name: str, module: str, flags: list[str], model_dir: Path, logs: Path, cpu: bool) -> SGLangServer:
+    """`harness.server.SGLangServer` (own process group, free port, /health wait, killed as a whole on stop) with
+    exactly the flags given here (no dtype, pool or CPU flags of its own), its output in logs/server_<name>.log."""
+    # SGLANG_USE_HND_KVCACHE and PROMETHEUS_MULTIPROC_DIR are not inherited: each server sets its own
+    env = {"SGLANG_USE_HND_KVCACHE": None, "PROMETHEUS_MULTIPROC_DIR": None, "PYTHONUNBUFFERED": "1"}
+    return SGLangServer(model_dir, module=module, device="cpu" if cpu else "cuda", dtype=None, max_total_tokens=None,
+                        max_running_requests=None, cpu_flags=False, extra_args=flags, env=env,
+                        log_path=logs / f"server_{name}.log", request_timeout=180, require_cpu_shim=cpu, cwd=REPO)
 
 
 def server_flags(a) -> dict[str, tuple[str, list[str]]]:
@@ -306,8 +293,8 @@ class Fleet:
 
     def __init__(self, a, logs: Path):
         self.a, self.logs = a, logs
-        self.all: list[Server] = []
-        self.ready: dict[str, Server] = {}
+        self.all: list[SGLangServer] = []
+        self.ready: dict[str, SGLangServer] = {}
         self.info: dict[str, dict] = {}
         self.threads: dict[str, threading.Thread] = {}
         self.lock = threading.Lock()
@@ -325,7 +312,7 @@ class Fleet:
             with self.lock:
                 if self.closed:
                     return
-                srv = Server(name, module, flags, self.a.model_dir, self.logs, self.a.cpu)
+                srv = make_server(name, module, flags, self.a.model_dir, self.logs, self.a.cpu)
                 if attempt:
                     srv.log_path = self.logs / f"server_{name}.retry.log"
                 srv.start_timeout = max(30.0, self.a.deadline - now() - 45)
@@ -350,7 +337,7 @@ class Fleet:
                 self.ready[name] = srv
             return
 
-    def wait(self, name: str) -> Server:
+    def wait(self, name: str) -> SGLangServer:
         t = self.threads.get(name)
         if t is None:
             raise RuntimeError(f"server {name} was not started")
@@ -380,7 +367,7 @@ class Fleet:
 # --- step 2/3: prompts through the servers --------------------------------------------------------
 
 def build_prompts(a):
-    from sglang_compact.eval.tasks import load_tokenizer, make_suite
+    from harness.eval.tasks import load_tokenizer, make_suite
 
     tok = load_tokenizer(str(a.model_dir))
     samples = make_suite(tok, tasks=a.tasks, lengths=a.lengths, n=1, seed=0)
@@ -394,7 +381,7 @@ def build_prompts(a):
     return tok, samples
 
 
-def generate(srv: Server, ids: list[int], n: int) -> dict:
+def generate(srv: SGLangServer, ids: list[int], n: int) -> dict:
     try:
         srv.flush_cache()  # every prompt from an empty radix cache: chunks start at token 0
     except Exception:
@@ -409,7 +396,7 @@ def generate(srv: Server, ids: list[int], n: int) -> dict:
             "meta": m, "prompt_tokens": m.get("prompt_tokens"), "cached_tokens": m.get("cached_tokens")}
 
 
-def run_prompts(srv: Server, samples, n: int) -> list[dict]:
+def run_prompts(srv: SGLangServer, samples, n: int) -> list[dict]:
     return [generate(srv, s.input_ids, n) for s in samples]
 
 

@@ -1,169 +1,98 @@
-"""Selector interface, registry and the shared scoring helpers.
+"""The selector interface and the scoring helpers selectors share.
 
-A selector looks at one chunk per request (its queries) and the prefix (its
-keys, or page summaries) and returns a block mask
+A selector looks at one batch of chunks (their q-blocks and windows, see
+`ChunkBatch`) and returns the pages to read (`Selection`):
 
-    mask  bool [B, H_q, NQ, NKV]   query block i of request b may read prefix block j
+    table  bool [H_kv, NW, NKV]           the rows' final page sets (per kv head and window: unions and
+                                          forced pages done), or
+    mask   bool [H_q or H_kv, NQB, NKV]   per query head (or kv head) and q-block: the candidate pages it
+                                          selected (the caller unions them per window and adds the forced
+                                          pages)
 
-with False everywhere outside a request's valid (query block, prefix block)
-cells. Query blocks have the KV block size. Scoring selectors also return
-`scores` float [B, H_q, NQ, NKV] (or [B, H_kv, NQ, NKV], already reduced over each
-group's heads, as `budget` does; higher = more important) which the density
-cap ranks by.
+and optionally `scores` float [H_q or H_kv, NQB or NW, NKV] (higher = more important), which the
+density cap ranks by. A q-block's candidates are the pages before its window
+(`ChunkBatch.candidates`); the window's own pages and the recent ones are always read.
+
+Registration and parameters: `sglang_compact.selectors.registry`.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from sglang_compact.batch import ChunkBatch
-from sglang_compact.config import CompactConfig
+from sglang_compact.batch import ChunkBatch, cdiv
 from sglang_compact.kernels import flashprefill as flashprefill_kernel
-from sglang_compact.kernels import flashprefill_naive
-from sglang_compact.kernels.union_naive import forced_blocks
+from sglang_compact.kernels import flashprefill_naive, use_triton
+from sglang_compact.selectors.registry import SelectorSpec
+from sglang_compact.summaries import LayerSummaries
+
+if TYPE_CHECKING:
+    from sglang_compact.config import CompactConfig
 
 NEG_INF = float("-inf")
 
 
+@dataclass
 class Selection:
-    """A selector's output.
+    """A selector's output: exactly one of `table` (with `counts`) and `mask`; `scores` optional."""
 
-    mask:   bool [B, H_q, NQ, NKV] (see the module docstring).
-    scores: float [B, H_q or H_kv, NQ, NKV] or None.
-    rows:   bool [B, H_kv, NKV] or None: set when the selection is the same for every query block
-            and every query head of a kv group (`budget`, `dense`). The mask is then derived from it only
-            when asked for, and the union of such a selection is the rows themselves.
-    """
+    table: torch.Tensor | None = None
+    counts: torch.Tensor | None = None
+    mask: torch.Tensor | None = None
+    scores: torch.Tensor | None = None
 
-    def __init__(self, mask: torch.Tensor | None = None, scores: torch.Tensor | None = None, *,
-                 rows: torch.Tensor | None = None, valid: torch.Tensor | None = None, group_size: int = 1):
-        if (mask is None) == (rows is None):
-            raise ValueError("Selection needs exactly one of mask and rows")
-        if rows is not None and valid is None:
-            raise ValueError("Selection(rows=...) needs valid (bool [B, 1, NQ, NKV]) to derive its mask")
-        self._mask, self.scores, self._rows, self._valid, self._group = mask, scores, rows, valid, group_size
-
-    @property
-    def rows(self) -> torch.Tensor | None:
-        return self._rows
-
-    @rows.setter
-    def rows(self, value: torch.Tensor) -> None:
-        if self._rows is None:
-            raise ValueError("this Selection is a mask, not rows")
-        self._rows, self._mask = value, None
-
-    @property
-    def mask(self) -> torch.Tensor:
-        if self._mask is None:
-            self._mask = (self._rows.repeat_interleave(self._group, dim=1)[:, :, None, :] & self._valid).contiguous()
-        return self._mask
-
-    @mask.setter
-    def mask(self, value: torch.Tensor) -> None:
-        self._mask, self._rows = value, None
+    def __post_init__(self):
+        if (self.table is None) == (self.mask is None):
+            raise ValueError("Selection needs exactly one of table and mask")
+        if self.table is not None and self.counts is None:
+            raise ValueError("Selection(table=...) needs counts (int32 [H_kv * NW])")
 
 
 class Selector:
-    """Base class. Subclasses set `name` and implement `select`."""
+    """Base class; subclasses are registered with `register_selector` and implement `select`."""
 
     name: str = ""
-    #: reads pooled keys (page summaries) rather than the prefix's keys
-    uses_summaries: bool = False
+    spec: SelectorSpec
 
-    def __init__(self, config: CompactConfig):
+    def __init__(self, config: "CompactConfig"):
         self.config = config
+        self.params = config.params
 
-    def row_blocks(self, n_blocks: Sequence[int]) -> list[int] | None:
-        """Blocks every (request, kv head) row reads after the unions (forced blocks
-        included), per request, when the selector fixes that number without looking at
-        the data; None when it depends on the scores (threshold selectors).
-
-        Args:
-            n_blocks: prefix blocks n_b of each request on the compact path.
-        """
+    def row_pages(self, batch: ChunkBatch) -> list[int] | None:
+        """Pages every row reads, rows r = g * NW + w, when the selector fixes them from the lengths alone
+        (`spec.fixes_row_lengths`); None when they depend on the scores."""
         return None
 
-    def select(self, batch: ChunkBatch, layer: int = 0, pooled_keys: torch.Tensor | None = None) -> Selection:
+    def select(self, batch: ChunkBatch, layer: int, summaries: LayerSummaries | None) -> Selection:
         """Args:
-            batch: the chunks and their prefixes.
+            batch: the chunks and their contexts.
             layer: layer index (for per-layer weights).
-            pooled_keys: float [B, NKV, H_kv, D] mean key per prefix block, from page
-                summaries; computed from the pool when None.
+            summaries: this layer's page summaries (mean keys); selectors that use them get them.
         """
         raise NotImplementedError
 
 
-_REGISTRY: dict[str, type[Selector]] = {}
-
-
-def register_selector(name: str) -> Callable[[type[Selector]], type[Selector]]:
-    def deco(cls: type[Selector]) -> type[Selector]:
-        cls.name = name
-        _REGISTRY[name] = cls
-        return cls
-    return deco
-
-
-def make_selector(config: CompactConfig) -> Selector:
-    try:
-        cls = _REGISTRY[config.selector]
-    except KeyError:
-        raise ValueError(f"unknown selector {config.selector!r}; registered: {sorted(_REGISTRY)}") from None
-    return cls(config)
-
-
-def registered_selectors() -> list[str]:
-    return sorted(_REGISTRY)
-
-
 # --- shared helpers -------------------------------------------------------------------
 
-def valid_cells(batch: ChunkBatch, q_block: int) -> torch.Tensor:
-    """bool [B, 1, NQ, NKV]: (query block, prefix block) cells that exist (once per batch)."""
-    return batch.valid_cells(q_block)
-
-
-def pooled_keys_from_pool(batch: ChunkBatch) -> torch.Tensor:
-    """float32 [B, NKV, H_kv, D]: mean of each prefix block's valid keys (O(prefix tokens))."""
-    k, valid = batch.prefix_keys()  # [B, H_kv, NKV*P, D], [B, NKV*P]
-    B, H, LP, D = k.shape
-    P = batch.page_size
-    NKV = LP // P
-    s = k.to(torch.float32).reshape(B, H, NKV, P, D).sum(dim=3)
-    n = valid.reshape(B, NKV, P).sum(dim=2).clamp(min=1).to(torch.float32)  # [B, NKV]
-    return (s / n[:, None, :, None]).permute(0, 2, 1, 3)
-
-
-def pooled_block_scores(batch: ChunkBatch, pooled_keys: torch.Tensor, q_block: int,
-                        use_triton: bool | None = None, group_max: bool = False,
-                        query_stride: int = 1) -> torch.Tensor:
-    """FlashPrefill-style block scores against pooled keys (see `kernels/flashprefill_naive.py`).
-
-    s[t, j] = q_t . kbar_j * scale, softmax over the valid prefix blocks j,
-    then the max over the queries t of each query block (every `query_stride`-th query only: the
-    search's cost falls by that factor).
-
-    Returns:
-        float32 [B, H_q, NQ, NKV] ([B, H_kv, NQ, NKV], the max over each group's heads, with
-        `group_max`); 0 outside valid cells.
-    Runs the Triton kernel on CUDA (or when `use_triton`), else the torch reference.
-    """
-    if use_triton is None:
-        use_triton = batch.q.is_cuda
-    D = batch.head_dim
-    if D < 16 or D & (D - 1) or q_block // query_stride < 16:
-        use_triton = False  # the kernel tiles head_dim, and each block's scored queries, as power-of-two blocks
-    impl = flashprefill_kernel.block_scores if use_triton else flashprefill_naive.block_scores
-    return impl(batch.q, batch.cu_chunk, batch.chunk_lens_cpu, pooled_keys, batch.kv_blocks(), batch.sm_scale,
-                q_block, batch.max_q_blocks(q_block), group_max=group_max, query_stride=query_stride)
+def page_scores(batch: ChunkBatch, summaries: LayerSummaries, *, group_max: bool = False,
+                query_stride: int = 1) -> torch.Tensor:
+    """FlashPrefill-style scores of each q-block's candidate pages against their mean keys
+    (`kernels/flashprefill_naive.py`): float32 [H_q or H_kv (group_max), NQB, NKV], 0 outside candidates.
+    The Triton kernel on CUDA when it supports the shapes, else the torch twin."""
+    args = (batch.q, batch.device_qblocks(), batch.page_table, summaries.key_sum, summaries.count, batch.sm_scale,
+            batch.num_kv_heads, batch.qblocks.max_pages)
+    if use_triton(batch.q) and flashprefill_kernel.supports(batch.head_dim, batch.page_size, query_stride):
+        return flashprefill_kernel.block_scores(*args, group_max=group_max, query_stride=query_stride,
+                                                page_size=batch.page_size)
+    return flashprefill_naive.block_scores(*args, group_max=group_max, query_stride=query_stride)
 
 
 def threshold_rows(scores: torch.Tensor, valid: torch.Tensor, alpha: float) -> torch.Tensor:
-    """Keep cells scoring >= alpha * (row max). Rows are the last dim."""
+    """Keep cells scoring >= alpha * (row max over the valid cells). Rows are the last dim."""
     s = scores.masked_fill(~valid, NEG_INF)
     rowmax = s.amax(dim=-1, keepdim=True)
     return (s >= alpha * rowmax) & valid
@@ -172,7 +101,7 @@ def threshold_rows(scores: torch.Tensor, valid: torch.Tensor, alpha: float) -> t
 def top_p_rows(mass: torch.Tensor, valid: torch.Tensor, p: float) -> torch.Tensor:
     """Smallest set of cells per row (last dim) whose mass reaches p of the row's mass.
 
-    The cell that crosses p is kept; a row keeps at least one valid cell.
+    The cell that crosses p is kept; a row with any valid cell keeps at least one.
     """
     m = mass.masked_fill(~valid, 0.0).to(torch.float64)
     total = m.sum(dim=-1, keepdim=True)
@@ -185,55 +114,100 @@ def top_p_rows(mass: torch.Tensor, valid: torch.Tensor, p: float) -> torch.Tenso
     return keep & valid
 
 
-def row_budget(n_blocks: int, fraction: float, sink_blocks: int, recent_blocks: int) -> int:
-    """The number of blocks `top_blocks_per_row` keeps of a row of n_blocks prefix blocks, on the host
-    (same formula and rounding): min(n, max(ceil(fraction * n), 1, forced))."""
-    forced = min(n_blocks, sink_blocks + recent_blocks)
-    return min(n_blocks, max(math.ceil(n_blocks * fraction - 1e-9), 1, forced))
+def row_budget(n_pages: int, fraction: float, forced: int) -> int:
+    """Pages a row with n_pages context pages, `forced` of them forced, keeps at `fraction`:
+    min(n, max(ceil(fraction * n), forced)). The host twin of `top_pages_per_row`'s count."""
+    return min(n_pages, max(math.ceil(n_pages * fraction - 1e-9), forced))
 
 
-def top_blocks_per_row(row_scores: torch.Tensor, kv_blocks: torch.Tensor, max_blocks: int, fraction: float,
-                       sink_blocks: int, recent_blocks: int, allowed: torch.Tensor | None = None,
-                       batch: ChunkBatch | None = None) -> torch.Tensor:
-    """Keep min(n_b, max(ceil(fraction * n_b), 1, forced)) blocks of each (request b, kv head) row:
-    the forced (sink / recent) blocks first, then the best-scoring ones (equal scores in any order).
-    The `budget` selector's ranking, and the density cap's (with `allowed` = the union table, of
-    which at most that many cells survive). `row_budget` is its host twin.
+def forced_count(first: int, last: int, sink_blocks: int, recent_blocks: int) -> int:
+    """How many pages `batch.forced_pages` forces for a sparse window (pages first..last, context 0..last)."""
+    before = set(range(min(sink_blocks, first))) | set(range(max(0, first - recent_blocks), first))
+    return len(before) + last - first + 1
+
+
+def budget_row_pages(batch: ChunkBatch, fraction: float, sink_blocks: int, recent_blocks: int) -> list[int]:
+    """Host page counts of every row r = g * NW + w: `row_budget` for a sparse window, last + 1 for a dense one."""
+    qb = batch.qblocks
+    per_w = [row_budget(l + 1, fraction, forced_count(f, l, sink_blocks, recent_blocks)) if s else l + 1
+             for f, l, s in zip(qb.w_first, qb.w_last, qb.w_sparse)]
+    return per_w * batch.num_kv_heads
+
+
+def window_scores(scores: torch.Tensor, batch: ChunkBatch) -> torch.Tensor:
+    """float [H, NQB, NKV] per-q-block scores -> [H, NW, NKV]: the best over each window's q-blocks."""
+    d = batch.device_qblocks()
+    out = torch.zeros(scores.shape[0], batch.qblocks.windows, scores.shape[2], dtype=scores.dtype,
+                      device=scores.device)
+    return out.index_reduce_(1, d["window"].long(), scores, "amax", include_self=True)
+
+
+def top_pages_per_row(row_scores: torch.Tensor, batch: ChunkBatch, fraction: float, sink_blocks: int,
+                      recent_blocks: int, allowed: torch.Tensor | None = None):
+    """Keep `row_budget` pages of each sparse row: the forced pages first, then the best-scoring candidates
+    (equal scores in any order); a dense row keeps every page 0..last. The `budget` selector's ranking, and
+    the density cap's (with `allowed`, the rows' table, of which at most that many cells survive).
 
     Args:
-        row_scores: float [B, H_kv, NKV]; kv_blocks: int [B] (device); max_blocks: host bound on
-            every row's count (max over the batch of n_b suffices); allowed: bool [B, H_kv, NKV]
-            cells that may be kept (default every valid prefix block); batch: the batch kv_blocks
-            belongs to, whose store keeps the per-batch part (bias, counts) for the next layers.
+        row_scores: float [H_kv, NW, NKV]; allowed: bool [H_kv, NW, NKV] or None.
     Returns:
-        bool [B, H_kv, NKV]
+        table bool [H_kv, NW, NKV], counts int32 [H_kv * NW].
     """
-    B, H, NKV = row_scores.shape
+    H, NW, NKV = row_scores.shape
     dev = row_scores.device
-    k_max = min(max_blocks, NKV)
-    if k_max <= 0:
-        return torch.zeros(B, H, NKV, dtype=torch.bool, device=dev)
+    k_max = min(NKV, max(batch.qblocks.full_counts(), default=0))
+    if k_max <= 0 or NW == 0:
+        return torch.zeros(H, NW, NKV, dtype=torch.bool, device=dev), torch.zeros(H * NW, dtype=torch.int32,
+                                                                                  device=dev)
 
     def per_batch():
-        n = kv_blocks.to(torch.long)[:, None]
-        valid = torch.arange(NKV, device=dev) < n                         # [B, NKV]
-        forced = forced_blocks(kv_blocks, NKV, sink_blocks, recent_blocks)
-        # +inf ranks forced blocks first, -inf puts blocks past the prefix last
-        bias = torch.zeros(B, 1, NKV, dtype=torch.float32, device=dev)
-        bias.masked_fill_(~valid[:, None], float("-inf")).masked_fill_(forced[:, None], float("inf"))
-        # the epsilon keeps 0.3 * 10 at 3 blocks, not 4
-        k = torch.ceil(n.to(torch.float64) * fraction - 1e-9).to(torch.long).clamp(min=1)
-        k = torch.minimum(torch.maximum(k, forced.sum(-1, keepdim=True)), n)  # [B, 1]
-        keep = torch.arange(k_max, device=dev)[None, None, :] < k[:, :, None]  # [B, 1, k_max]
-        return valid, forced, bias, keep
+        forced = batch.forced(sink_blocks, recent_blocks)                     # [NW, NKV]
+        ctx = batch.full_table()[0]                                           # [NW, NKV] j <= last
+        bias = torch.zeros(NW, NKV, dtype=torch.float32, device=dev)
+        bias.masked_fill_(~ctx, NEG_INF).masked_fill_(forced, float("inf"))
+        counts = budget_row_pages(batch, fraction, sink_blocks, recent_blocks)[:NW]
+        k = torch.tensor(counts, dtype=torch.long).to(dev, non_blocking=True)
+        keep = torch.arange(k_max, device=dev)[None, :] < k[:, None]          # [NW, k_max]
+        return forced, ctx, bias, keep
 
-    key = ("top_blocks_per_row", NKV, k_max, fraction, sink_blocks, recent_blocks)
-    valid, forced, bias, keep = batch.memo(key, per_batch) if batch is not None else per_batch()
+    forced, ctx, bias, keep = batch.memo(("top_pages", fraction, sink_blocks, recent_blocks), per_batch)
     if allowed is None:
         ranked = row_scores.to(torch.float32) + bias
     else:
-        ranked = torch.where(forced[:, None], float("inf"),
-                             torch.where(valid[:, None] & allowed, row_scores.to(torch.float32), float("-inf")))
-    top = ranked.topk(k_max, dim=-1).indices                          # [B, H, k_max], best first
-    out = torch.zeros(B, H, NKV, dtype=torch.bool, device=dev).scatter_(-1, top, keep.expand(B, H, k_max))
-    return out if allowed is None else out & allowed
+        ranked = torch.where(forced, float("inf"),
+                             torch.where(ctx & allowed, row_scores.to(torch.float32), NEG_INF))
+    top = ranked.topk(k_max, dim=-1).indices                                  # [H, NW, k_max], best first
+    out = torch.zeros(H, NW, NKV, dtype=torch.bool, device=dev).scatter_(-1, top, keep.expand(H, NW, k_max))
+    if allowed is not None:
+        out &= allowed
+    return out, out.sum(dim=-1, dtype=torch.int32).reshape(-1)
+
+
+def qblock_queries(batch: ChunkBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each q-block's queries at their offsets in its page: float32 [NQB, P, H_q, D] (zeros where the
+    page has no query of this chunk) and valid bool [NQB, P]."""
+    def index():
+        qb, P = batch.qblocks, batch.page_size
+        u = torch.arange(P)[None, :]
+        off = torch.tensor([p - a * P for p, a in zip(qb.pos, qb.page)])[:, None]
+        ln = torch.tensor(qb.length)[:, None]
+        valid = (u >= off) & (u < off + ln)
+        src = (torch.tensor(qb.start)[:, None] + u - off).clamp(0, max(batch.num_tokens - 1, 0))
+        return src.to(batch.q.device), valid.to(batch.q.device)
+    src, valid = batch.memo(("qblock_queries",), index)
+    q = batch.q[src.reshape(-1)].reshape(*src.shape, batch.num_q_heads, batch.head_dim).to(torch.float32)
+    return q * valid[:, :, None, None], valid
+
+
+def request_qblocks(batch: ChunkBatch):
+    """Per request with q-blocks: (qblocks, cand, keys, n_pages). `qblocks` is a slice (a request's q-blocks
+    are contiguous, pages ascending), `cand` their candidate page counts on the device (a slice, not an index
+    list: no host->device copy), `keys` float32 [H_kv, E, D] the request's context keys, `n_pages` cdiv(E, P)."""
+    cand_all = batch.device_qblocks()["cand"]
+    for b in range(batch.batch_size):
+        idx = [i for i, r in enumerate(batch.qblocks.req) if r == b]
+        if not idx:
+            continue
+        sl = slice(idx[0], idx[-1] + 1)
+        keys = batch.context_keys(b).to(torch.float32)
+        yield sl, cand_all[sl].long(), keys, cdiv(keys.shape[1], batch.page_size)

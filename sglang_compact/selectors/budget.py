@@ -1,35 +1,41 @@
-"""`budget`: a fixed fraction of each (request, kv head) row's prefix blocks.
+"""`budget`: a fixed fraction of each row's context pages.
 
-Blocks are ranked by their best pooled-key score over the row's query heads and
-query blocks (forced sink/recent blocks first), and the top ceil(density * n_b)
-are given to every query block and head of the row (`query_stride` s scores
-every s-th query of each block only). So the density the paged
-kernel reads after the unions is the requested one (for benchmarks at a chosen
-density); `CompactConfig.density_cap` ranks the same way.
+Pages are ranked by their best mean-key score over the row's query heads and the q-blocks of its
+window (forced sink / recent / window pages first), and the top `row_budget(last + 1, density)`
+are kept, so the density the paged kernel
+reads is the requested one and every row's length is known on the host before any search: FlashInfer
+fa3 is planned once per forward pass. `query_stride` s scores every s-th query of each q-block only.
+`CompactConfig.density_cap` ranks the same way.
 """
 
 from __future__ import annotations
 
-from sglang_compact.selectors.base import (Selection, Selector, pooled_block_scores,
-                                           pooled_keys_from_pool, register_selector, row_budget,
-                                           top_blocks_per_row, valid_cells)
+from dataclasses import dataclass
+
+from sglang_compact.selectors.base import (Selection, Selector, budget_row_pages, page_scores,
+                                           top_pages_per_row, window_scores)
+from sglang_compact.selectors.registry import SelectorParams, param, register_selector
 
 
-@register_selector("budget")
+@dataclass(frozen=True)
+class BudgetParams(SelectorParams):
+    density: float = param(0.3, lo=0.0, hi=1.0, help="fraction of each row's context pages kept")
+    query_stride: int = param(1, lo=1, hi=16, power_of_two=True,
+                              help="score every s-th query of each q-block (s times cheaper search)")
+
+
+@register_selector("budget", params=BudgetParams, fixes_row_lengths=True, uses_summaries=True,
+                   expected_density=lambda p: p.density)
 class BudgetSelector(Selector):
-    uses_summaries = True
+    """A fixed fraction of each row's pages, best mean-key scores first."""
 
-    def row_blocks(self, n_blocks):
+    def row_pages(self, batch):
         cfg = self.config
-        return [row_budget(n, cfg.param("density"), cfg.sink_blocks, cfg.recent_blocks) for n in n_blocks]
+        return budget_row_pages(batch, self.params.density, cfg.sink_blocks, cfg.recent_blocks)
 
-    def select(self, batch, layer=0, pooled_keys=None):
+    def select(self, batch, layer, summaries):
         cfg = self.config
-        bs = cfg.block_size
-        if pooled_keys is None:
-            pooled_keys = pooled_keys_from_pool(batch)
-        scores = pooled_block_scores(batch, pooled_keys, bs, group_max=True,
-                                     query_stride=cfg.param("query_stride"))  # [B, H_kv, NQ, NKV]
-        rows = top_blocks_per_row(scores.amax(dim=2), batch.kv_blocks(), batch.max_kv_blocks,
-                                  cfg.param("density"), cfg.sink_blocks, cfg.recent_blocks, batch=batch)
-        return Selection(rows=rows, scores=scores, valid=valid_cells(batch, bs), group_size=batch.group_size)
+        scores = window_scores(page_scores(batch, summaries, group_max=True, query_stride=self.params.query_stride),
+                               batch)                                          # [H_kv, NW, NKV]
+        table, counts = top_pages_per_row(scores, batch, self.params.density, cfg.sink_blocks, cfg.recent_blocks)
+        return Selection(table=table, counts=counts, scores=scores)

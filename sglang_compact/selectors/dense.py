@@ -1,17 +1,23 @@
-"""`dense`: every valid block. With it the compact path must reproduce dense attention."""
+"""`dense`: every page. With it the compact path must reproduce dense attention."""
 
 from __future__ import annotations
 
-from sglang_compact.selectors.base import Selection, Selector, register_selector, valid_cells
+import torch
+
+from sglang_compact.selectors.base import Selection, Selector
+from sglang_compact.selectors.registry import register_selector
 
 
-@register_selector("dense")
+@register_selector("dense", fixes_row_lengths=True, expected_density=1.0)
 class DenseSelector(Selector):
-    def row_blocks(self, n_blocks):
-        return list(n_blocks)
+    """Every page of every row (dense attention through the same machinery)."""
 
-    def select(self, batch, layer=0, pooled_keys=None):
-        bs = self.config.block_size
-        kv_valid = batch.kv_block_valid()  # [B, NKV]
-        rows = kv_valid[:, None, :].expand(batch.batch_size, batch.num_kv_heads, kv_valid.shape[1])
-        return Selection(rows=rows, valid=valid_cells(batch, bs), group_size=batch.group_size)
+    def row_pages(self, batch):
+        return batch.qblocks.full_counts() * batch.num_kv_heads  # rows r = g * NW + w
+
+    def select(self, batch, layer, summaries):
+        counts = batch.memo(("full_counts",), lambda: batch.full_table().sum(-1, dtype=torch.int32).reshape(-1))
+        return Selection(table=batch.full_table(), counts=counts)
+
+
+

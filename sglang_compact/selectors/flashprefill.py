@@ -1,26 +1,45 @@
-"""`flashprefill` (default): threshold on pooled-key block scores. Training-free.
+"""`flashprefill` (default): threshold on mean-key page scores. Training-free.
 
-Score each query block against the mean key of every prefix block (max over
-its queries of the softmax-normalised scores) and keep the blocks scoring at
-least `alpha` x the row maximum. Reads page summaries when given them, so its
-cost is O(prefix pages) per chunk; `query_stride` s scores only every s-th
-query of each block (s times cheaper).
+Each q-block scores its candidate pages (those before its window) against their mean keys: the
+softmax of q . kbar over the candidates, maxed over the q-block's queries. A query head keeps
+the pages scoring at least `alpha` x its best page; the row of a kv head and window reads the
+pages any of its query heads kept for any q-block of the window, plus the forced ones. It reads
+page summaries, so it costs O(context pages) per q-block; `query_stride` s scores every s-th
+query of each q-block only (s times cheaper). On CUDA, search, threshold and group union are one
+kernel launch (`kernels/flashprefill.py`), the window union another.
 """
 
 from __future__ import annotations
 
-from sglang_compact.selectors.base import (Selection, Selector, pooled_block_scores, pooled_keys_from_pool,
-                                           register_selector, threshold_rows, valid_cells)
+from dataclasses import dataclass
+
+from sglang_compact.kernels import flashprefill as flashprefill_kernel
+from sglang_compact.kernels import flashprefill_naive, use_triton
+from sglang_compact.selectors.base import Selection, Selector, page_scores, threshold_rows
+from sglang_compact.selectors.registry import SelectorParams, param, register_selector
 
 
-@register_selector("flashprefill")
+@dataclass(frozen=True)
+class FlashPrefillParams(SelectorParams):
+    alpha: float = param(0.4, lo=0.0, hi=1.0, help="keep pages scoring >= alpha x the head's best page")
+    query_stride: int = param(1, lo=1, hi=16, power_of_two=True,
+                              help="score every s-th query of each q-block (s times cheaper search)")
+
+
+@register_selector("flashprefill", params=FlashPrefillParams, uses_summaries=True, expected_density=0.5)
 class FlashPrefillSelector(Selector):
-    uses_summaries = True
+    """Threshold on mean-key page scores (FlashPrefill); the default."""
 
-    def select(self, batch, layer=0, pooled_keys=None):
-        bs = self.config.block_size
-        if pooled_keys is None:
-            pooled_keys = pooled_keys_from_pool(batch)
-        scores = pooled_block_scores(batch, pooled_keys, bs, query_stride=self.config.param("query_stride"))
-        valid = valid_cells(batch, bs).expand_as(scores)
-        return Selection(threshold_rows(scores, valid, self.config.param("alpha")), scores)
+    def select(self, batch, layer, summaries):
+        p, cfg = self.params, self.config
+        if cfg.density_cap is None:   # the fused kernel: a kv head's mask per q-block, no scores materialised
+            args = (batch.q, batch.device_qblocks(), batch.page_table, summaries.key_sum, summaries.count,
+                    batch.sm_scale, batch.num_kv_heads, batch.qblocks.max_pages, p.alpha)
+            if use_triton(batch.q) and flashprefill_kernel.supports(batch.head_dim, batch.page_size, p.query_stride):
+                mask = flashprefill_kernel.threshold_mask(*args, query_stride=p.query_stride, page_size=batch.page_size)
+            else:
+                mask = flashprefill_naive.threshold_mask(*args, query_stride=p.query_stride)
+            return Selection(mask=mask)
+        scores = page_scores(batch, summaries, query_stride=p.query_stride)     # [H_q, NQB, NKV]
+        mask = threshold_rows(scores, batch.candidates()[None], p.alpha)
+        return Selection(mask=mask, scores=scores)

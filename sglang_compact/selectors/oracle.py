@@ -1,45 +1,53 @@
-"""`oracle`: exact attention mass per block, top-p. The accuracy ceiling (slow: O(C x L)).
+"""`oracle`: exact attention mass per page, top-p. The accuracy ceiling (slow: O(chunk x context)).
 
-mass[b, h, i, j] = mean over the queries t of block i of
-    sum over keys s of block j of softmax_s(q_t . k_s * scale)   (softmax over the prefix)
-Each row keeps the fewest blocks whose mass reaches `top_p`.
+mass[h, q, j] = mean over the queries t of q-block q of
+    sum over keys s of page j of softmax_s(q_t . k_s * scale)   (softmax over the candidate pages: those
+                                                                  before the q-block's window)
+Each head keeps the fewest pages whose mass reaches `top_p`.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from sglang_compact.selectors.base import NEG_INF, Selection, Selector, register_selector, top_p_rows, valid_cells
+from sglang_compact.selectors.base import NEG_INF, Selection, Selector, qblock_queries, request_qblocks, top_p_rows
+from sglang_compact.selectors.registry import SelectorParams, param, register_selector
 
 
-def block_attention_mass(batch, q_block: int, head_chunk: int = 4) -> torch.Tensor:
-    """float32 [B, H_q, NQ, NKV]: exact softmax mass of each prefix block, averaged per query block."""
-    q_pad, q_valid = batch.padded_queries(q_block)
-    k, k_valid = batch.prefix_keys()  # [B, H_kv, NKV*P, D]
-    B, H_q, LQ, D = q_pad.shape
-    NQ, P = LQ // q_block, batch.page_size
-    NKV = k.shape[2] // P
-    G = batch.group_size
-    out = torch.zeros(B, H_q, NQ, NKV, dtype=torch.float32, device=q_pad.device)
-    if NKV == 0 or NQ == 0:
-        return out
-    neg = torch.zeros(B, 1, 1, NKV * P, device=q_pad.device).masked_fill(~k_valid[:, None, None, :], NEG_INF)
-    nq = q_valid.reshape(B, NQ, q_block).sum(-1).clamp(min=1).to(torch.float32)  # [B, NQ]
-    for h0 in range(0, H_q, head_chunk):
-        h1 = min(H_q, h0 + head_chunk)
-        q = q_pad[:, h0:h1].to(torch.float32)
-        kk = k[:, torch.arange(h0, h1, device=q.device) // G].to(torch.float32)
-        p = torch.softmax(torch.matmul(q, kk.transpose(-1, -2)) * batch.sm_scale + neg, dim=-1)
-        p = p.nan_to_num_(0.0) * q_valid[:, None, :, None]
-        m = p.reshape(B, h1 - h0, NQ, q_block, NKV, P).sum(dim=(3, 5))
-        out[:, h0:h1] = m / nq[:, None, :, None]
+def page_attention_mass(batch, head_chunk: int = 4) -> torch.Tensor:
+    """float32 [H_q, NQB, NKV]: exact softmax mass of each candidate page, averaged over each q-block's queries."""
+    q_pad, q_valid = qblock_queries(batch)                       # [NQB, P, H_q, D], [NQB, P]
+    H_q, P, G = batch.num_q_heads, batch.page_size, batch.group_size
+    out = torch.zeros(H_q, batch.qblocks.count, batch.qblocks.max_pages, dtype=torch.float32, device=q_pad.device)
+    for idx, a, k, n in request_qblocks(batch):
+        E = k.shape[1]
+        cand = torch.arange(E, device=k.device)[None, :] < (a * P)[:, None]           # [NQ_b, E]
+        nq = q_valid[idx].sum(-1).clamp(min=1).to(torch.float32)                       # [NQ_b]
+        for h0 in range(0, H_q, head_chunk):
+            h1 = min(H_q, h0 + head_chunk)
+            qq = q_pad[idx][:, :, h0:h1].permute(2, 0, 1, 3)                           # [h, NQ_b, P, D]
+            kk = k[torch.arange(h0, h1, device=k.device) // G]                         # [h, E, D]
+            s = torch.einsum("hqpd,hed->hqpe", qq, kk) * batch.sm_scale
+            s = s.masked_fill(~cand[None, :, None, :], NEG_INF)
+            p = torch.softmax(s, dim=-1).nan_to_num_(0.0) * q_valid[idx][None, :, :, None]
+            NQ = idx.stop - idx.start
+            p = torch.nn.functional.pad(p, (0, n * P - E)).reshape(h1 - h0, NQ, P, n, P).sum(dim=(2, 4))
+            out[h0:h1, idx, :n] = p / nq[None, :, None]
     return out
 
 
-@register_selector("oracle")
+@dataclass(frozen=True)
+class OracleParams(SelectorParams):
+    top_p: float = param(0.95, lo=0.0, hi=1.0, help="attention mass each head keeps")
+
+
+@register_selector("oracle", params=OracleParams, expected_density=0.3)
 class OracleSelector(Selector):
-    def select(self, batch, layer=0, pooled_keys=None):
-        bs = self.config.block_size
-        mass = block_attention_mass(batch, bs)
-        valid = valid_cells(batch, bs).expand_as(mass)
-        return Selection(top_p_rows(mass, valid, self.config.param("top_p")), mass)
+    """Exact attention mass per page, top-p: the accuracy ceiling (evaluation only; slow)."""
+
+    def select(self, batch, layer, summaries):
+        mass = page_attention_mass(batch)
+        return Selection(mask=top_p_rows(mass, batch.candidates()[None].expand_as(mass), self.params.top_p),
+                         scores=mass)

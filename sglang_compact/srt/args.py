@@ -2,7 +2,8 @@
 
 The flags are parsed apart from SGLang's (which keeps every one of its own);
 the config is validated once, then attached to SGLang's `ServerArgs`, which
-SGLang hands (pickled) to every scheduler process it spawns.
+SGLang hands (pickled) to every scheduler process it spawns. Selector names,
+parameters and their help come from the selector registry.
 """
 
 from __future__ import annotations
@@ -11,65 +12,115 @@ import argparse
 import json
 from typing import Sequence
 
-from sglang_compact.config import PREFILL_KERNELS, SELECTOR_NAMES, SELECTOR_PARAMS, CompactConfig
+from sglang_compact.config import PREFILL_KERNELS, CompactConfig
+from sglang_compact.selectors.registry import describe_params, import_selector_modules, selector_names
 
-BACKEND_NAME = "compact"
+PROG = "sglang_compact.launch_server"
+#: parameter shorthands: flag -> (selector, parameter)
+SHORTHANDS = {"--compact-alpha": ("flashprefill", "alpha"), "--compact-density": ("budget", "density")}
+
+
+def _min_context(value: str) -> int | None:
+    if value == "auto":
+        return None
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be 'auto' or a number of tokens, got {value!r}") from None
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"must be 'auto' or a number of tokens >= 0, got {value!r}")
+    return n
 
 
 def add_compact_args(parser: argparse.ArgumentParser) -> None:
+    d = CompactConfig()
+    params = "; ".join(f"{name}: " + (", ".join(f"{p} (default {default}: {help_})" for p, default, help_ in ps) or "-")
+                       for name, ps in describe_params().items())
     g = parser.add_argument_group("CompactAttention (sglang-compact)")
-    g.add_argument("--compact-selector", default="flashprefill",
-                   help=f"pattern-search method, one of {', '.join(SELECTOR_NAMES)} (default flashprefill)")
+    g.add_argument("--compact-selector", default=d.selector,
+                   help=f"pattern-search method, one of {', '.join(selector_names())} (default {d.selector})")
+    g.add_argument("--compact-selector-module", action="append", default=[], metavar="MODULE",
+                   help="import MODULE (which registers a selector) before looking the selector up; repeatable")
     g.add_argument("--compact-selector-params", default=None, metavar="JSON",
-                   help="selector parameters as JSON, e.g. '{\"alpha\": 0.06}'; per selector: "
-                        + "; ".join(f"{k}: {', '.join(v) or '-'}" for k, v in SELECTOR_PARAMS.items()).replace("%", "%%"))
+                   help=("selector parameters as a JSON object, e.g. '{\"alpha\": 0.3}'; per selector: " + params)
+                   .replace("%", "%%"))
     g.add_argument("--compact-alpha", type=float, default=None,
                    help="flashprefill threshold (shorthand for --compact-selector-params '{\"alpha\": X}')")
     g.add_argument("--compact-density", type=float, default=None,
-                   help="budget selector density (shorthand)")
-    g.add_argument("--compact-sink-blocks", type=int, default=CompactConfig.sink_blocks)
-    g.add_argument("--compact-recent-blocks", type=int, default=CompactConfig.recent_blocks)
-    g.add_argument("--compact-min-prefix-len", type=int, default=CompactConfig.min_prefix_len,
-                   help="cached-prefix tokens from which a chunk takes the compact path")
-    g.add_argument("--compact-density-cap", type=float, default=None)
-    g.add_argument("--compact-prefill-kernel", default=CompactConfig.prefill_kernel,
-                   help=f"FlashInfer backend of the sparse prefix attention on CUDA, one of "
-                        f"{', '.join(PREFILL_KERNELS)} (auto: fa3 on Hopper for selectors that fix the row "
-                        "lengths, e.g. budget; else fa2)")
-    g.add_argument("--compact-dense-final-chunk", choices=("on", "off"), default="on",
-                   help="a request's last prompt chunk (the question of a long prompt) reads its whole prefix "
-                        "(default on; the earlier chunks take the compact path)")
+                   help="budget selector density (shorthand; needs --compact-selector budget)")
+    g.add_argument("--compact-sink-blocks", type=int, default=d.sink_blocks,
+                   help=f"leading pages every q-block reads (default {d.sink_blocks})")
+    g.add_argument("--compact-recent-blocks", type=int, default=d.recent_blocks,
+                   help=f"pages before a q-block's own page it always reads (default {d.recent_blocks})")
+    g.add_argument("--compact-union-window", type=int, default=None, metavar="TOKENS",
+                   help="tokens of a union window: the queries of one window (at absolute positions) read one "
+                        "union of their selections (default: min(1024, --chunked-prefill-size); a multiple of "
+                        "--page-size dividing --chunked-prefill-size)")
+    g.add_argument("--compact-min-context", "--compact-min-prefix-len", dest="compact_min_context",
+                   type=_min_context, default=None, metavar="auto|TOKENS",
+                   help="context (tokens before a q-block) from which it reads a selection; auto (default): the "
+                        "cost gate's break-even for this GPU, model and chunk size")
+    g.add_argument("--compact-dense-tail", type=int, default=d.dense_tail, metavar="TOKENS",
+                   help=f"the last TOKENS prompt tokens read every page (default {d.dense_tail}; 0: off)")
+    g.add_argument("--compact-density-cap", type=float, default=None,
+                   help="upper bound on each row's density, in (0, 1]")
+    g.add_argument("--compact-prefill-kernel", default=d.prefill_kernel, choices=PREFILL_KERNELS,
+                   help="FlashInfer kernel on CUDA: auto (default: fa3 on Hopper where one plan serves every layer, "
+                        "else fa2), fa2, fa3")
     g.add_argument("--compact-block-size", type=int, default=None,
                    help="must equal --page-size if given (a block is one KV page)")
 
 
 def split_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     """Separate our flags from SGLang's. Ours are `--compact-*`; everything else goes to SGLang."""
-    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    parser = argparse.ArgumentParser(prog=PROG, add_help=False, allow_abbrev=False)
     add_compact_args(parser)
     ours, rest = parser.parse_known_args(list(argv))
     return ours, rest
 
 
 def build_config(ns: argparse.Namespace, page_size: int) -> CompactConfig:
-    """The validated config; raises ValueError with a one-line reason."""
+    """The validated config; raises ValueError with a one-line reason that says how to fix it."""
     if ns.compact_block_size is not None and ns.compact_block_size != page_size:
-        raise ValueError(f"--compact-block-size {ns.compact_block_size} differs from --page-size {page_size} "
-                         "(a compact block is one KV page)")
+        raise ValueError(f"--compact-block-size {ns.compact_block_size} differs from --page-size {page_size}: "
+                         "drop --compact-block-size (a compact block is one KV page)")
+    import_selector_modules(ns.compact_selector_module)
+    if ns.compact_selector not in selector_names():
+        raise ValueError(f"--compact-selector {ns.compact_selector!r}: use one of {', '.join(selector_names())} "
+                         "(or --compact-selector-module to import another)")
     params: dict = {}
     if ns.compact_selector_params:
         try:
             params = json.loads(ns.compact_selector_params)
         except json.JSONDecodeError as e:
-            raise ValueError(f"--compact-selector-params is not valid JSON: {e}") from None
+            raise ValueError(f"--compact-selector-params is not valid JSON ({e}): give an object such as "
+                             "'{\"alpha\": 0.3}'") from None
         if not isinstance(params, dict):
-            raise ValueError("--compact-selector-params must be a JSON object")
-    if ns.compact_alpha is not None:
-        params["alpha"] = ns.compact_alpha
-    if ns.compact_density is not None:
-        params["density"] = ns.compact_density
+            raise ValueError("--compact-selector-params must be a JSON object, such as '{\"alpha\": 0.3}'")
+    for flag, (selector, name) in SHORTHANDS.items():
+        value = getattr(ns, flag[2:].replace("-", "_"))
+        if value is None:
+            continue
+        if ns.compact_selector != selector:
+            raise ValueError(f"{flag} sets the {selector} selector's {name}: add --compact-selector {selector}, or "
+                             f"drop {flag} (the {ns.compact_selector} selector's parameters go in "
+                             "--compact-selector-params)")
+        params[name] = value
     return CompactConfig(block_size=page_size, selector=ns.compact_selector, selector_params=params,
-                         sink_blocks=ns.compact_sink_blocks, recent_blocks=ns.compact_recent_blocks,
-                         min_prefix_len=ns.compact_min_prefix_len, density_cap=ns.compact_density_cap,
-                         prefill_kernel=ns.compact_prefill_kernel,
-                         dense_final_chunk=ns.compact_dense_final_chunk == "on")
+                         selector_modules=tuple(ns.compact_selector_module), sink_blocks=ns.compact_sink_blocks,
+                         recent_blocks=ns.compact_recent_blocks, union_window=ns.compact_union_window,
+                         min_context=ns.compact_min_context,
+                         dense_tail=ns.compact_dense_tail, density_cap=ns.compact_density_cap,
+                         prefill_kernel=ns.compact_prefill_kernel)
+
+
+def config_error_message(e: ValueError) -> str:
+    """A config error as a flag-level message: `CompactConfig.sink_blocks: ...` -> `--compact-sink-blocks: ...`."""
+    msg = str(e)
+    if msg.startswith("CompactConfig."):
+        field, _, rest = msg[len("CompactConfig."):].partition(":")
+        flag = {"selector_params": "--compact-selector-params", "block_size": "--page-size",
+                "min_context": "--compact-min-context", "union_window": "--compact-union-window"}.get(field.split("[")[0],
+                                                            "--compact-" + field.split("[")[0].replace("_", "-"))
+        return f"{flag}{field[len(field.split('[')[0]):]}:{rest}"
+    return msg

@@ -1,0 +1,71 @@
+"""HTTP client of a running SGLang server (`--url`, or one we started): greedy `/generate`, `/flush_cache`, and
+the compact backend's density counters from `/metrics`."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from typing import Any, Sequence
+
+
+class Client:
+    def __init__(self, url: str, timeout: float = 1800.0):
+        self.url = url.rstrip("/")
+        self.timeout = timeout
+
+    def _req(self, path: str, payload: dict | None = None) -> Any:
+        data = None if payload is None else json.dumps(payload).encode()
+        req = urllib.request.Request(self.url + path, data=data, headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=self.timeout) as r:
+            body = r.read()
+        try:
+            return json.loads(body)
+        except json.JSONDecodeError:
+            return body.decode(errors="replace")
+
+    def generate(self, input_ids: Sequence[int], max_new_tokens: int) -> dict:
+        return self._req("/generate", {"input_ids": [int(t) for t in input_ids],
+                                       "sampling_params": {"temperature": 0.0, "max_new_tokens": int(max_new_tokens)}})
+
+    def flush_cache(self) -> None:
+        try:
+            self._req("/flush_cache", {})
+        except urllib.error.URLError:
+            pass
+
+    def density_counters(self) -> tuple[float, float] | None:
+        """(sum, count) of the server's per-forward-pass density histogram (`sglang:compact_density_forward` on
+        `/metrics`, served with `--enable-metrics`: pages the sparse windows read over their context pages, one
+        observation per forward pass with a sparse window); None when the server does not expose it."""
+        try:
+            text = self._req("/metrics")
+        except (urllib.error.URLError, OSError):
+            return None
+        return parse_density_counters(text) if isinstance(text, str) else None
+
+
+def parse_density_counters(text: str) -> tuple[float, float] | None:
+    """(sum, count) of `sglang:compact_density_forward` over its series. Servers from before the per-window
+    design labelled it by `stage`: only their `stage="after_group"` series (post-union density) is read."""
+    total = count = None
+    for line in text.splitlines():
+        if not line.startswith("sglang:compact_density_forward_"):
+            continue
+        if "stage=" in line and 'stage="after_group"' not in line:
+            continue
+        name, value = line.split("{", 1)[0].split(" ", 1)[0], float(line.rsplit(" ", 1)[1])
+        if name.endswith("_sum"):
+            total = (total or 0.0) + value
+        elif name.endswith("_count"):
+            count = (count or 0.0) + value
+    return None if total is None or count is None else (total, count)
+
+
+def density_between(before: tuple[float, float] | None, after: tuple[float, float] | None) -> float | None:
+    """Mean density of the sparse forward passes between two `density_counters` snapshots."""
+    if after is None:
+        return None
+    b = before or (0.0, 0.0)
+    n = after[1] - b[1]
+    return (after[0] - b[0]) / n if n > 0 else None

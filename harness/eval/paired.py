@@ -1,0 +1,101 @@
+"""Paired comparison of two methods on the same prompts, from their scored-prediction JSONL files.
+
+Every accuracy run writes one JSON record per prompt (`task`, `length`, `index`, `seed`, `score`, ...):
+`scripts/gpu/accuracy_h200.py` under `preds/`, `scripts/eval_longctx.py accuracy` under its `--out-dir`. Two
+methods run on the same seed see the same prompts, so their difference can be measured prompt by prompt, which
+removes the prompts' own difficulty from the noise. The averages here weigh the tasks equally, as the reports do
+(mean over tasks of the per-task mean score, in percent); the confidence interval is a bootstrap that resamples
+prompts within each task.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Sequence
+
+Key = tuple[str, int, int, int]  # task, length, seed, index
+
+
+def load_scores(path: str | Path) -> dict[Key, float]:
+    """(task, length, seed, index) -> score in [0, 1]; a prompt seen twice keeps its last record."""
+    out: dict[Key, float] = {}
+    with open(path) as f:
+        for line in f:
+            line = line.strip()
+            if not line:
+                continue
+            r = json.loads(line)
+            out[(r["task"], int(r["length"]), int(r.get("seed", 0)), int(r["index"]))] = float(r["score"])
+    return out
+
+
+@dataclass
+class PairedResult:
+    length: int
+    tasks: list[str]
+    n_per_task: dict[str, int]
+    mean_a: float                  # task-balanced mean score of A, percent
+    mean_b: float
+    diff: float                    # mean_b - mean_a, percent
+    ci_low: float                  # bootstrap interval of diff (percent)
+    ci_high: float
+    per_task: dict[str, tuple[float, float]] = field(default_factory=dict)  # task -> (A, B) percent
+
+
+def _task_means(per_task_pairs: dict[str, list[tuple[float, float]]]) -> dict[str, tuple[float, float]]:
+    """task -> (A, B) mean score, as a fraction."""
+    return {t: (sum(x for x, _ in v) / len(v), sum(y for _, y in v) / len(v)) for t, v in per_task_pairs.items()}
+
+
+def _balanced(per_task_pairs: dict[str, list[tuple[float, float]]]) -> tuple[float, float]:
+    """(A, B) mean over tasks of the per-task means, in percent."""
+    means = _task_means(per_task_pairs).values()
+    return 100 * (sum(a for a, _ in means) / len(means)), 100 * (sum(b for _, b in means) / len(means))
+
+
+def paired_difference(a: dict[Key, float], b: dict[Key, float], length: int, tasks: Iterable[str] | None = None,
+                      n_boot: int = 2000, level: float = 0.95, seed: int = 0) -> PairedResult:
+    """B - A on the prompts of `length` both have (tasks: those given, else every task both have)."""
+    common = sorted(set(a) & set(b))
+    by_task: dict[str, list[tuple[float, float]]] = {}
+    wanted = None if tasks is None else set(tasks)
+    for k in common:
+        task, L = k[0], k[1]
+        if L == length and (wanted is None or task in wanted):
+            by_task.setdefault(task, []).append((a[k], b[k]))
+    if wanted is not None and set(by_task) != wanted:
+        missing = sorted(wanted - set(by_task))
+        raise ValueError(f"no prompts of length {length} that both files score for task(s) {missing}")
+    if not by_task:
+        raise ValueError(f"no prompts of length {length} in both files")
+    mean_a, mean_b = _balanced(by_task)
+    rng = random.Random(seed)
+    diffs = []
+    for _ in range(n_boot):
+        sample = {t: [v[rng.randrange(len(v))] for _ in v] for t, v in by_task.items()}
+        x, y = _balanced(sample)
+        diffs.append(y - x)
+    diffs.sort()
+    lo = diffs[int((1 - level) / 2 * (n_boot - 1))]
+    hi = diffs[int((1 + level) / 2 * (n_boot - 1))]
+    per_task = {t: (100 * a, 100 * b) for t, (a, b) in sorted(_task_means(by_task).items())}
+    return PairedResult(length, sorted(by_task), {t: len(v) for t, v in sorted(by_task.items())}, mean_a, mean_b,
+                        mean_b - mean_a, lo, hi, per_task)
+
+
+def paired_markdown(r: PairedResult, name_a: str, name_b: str) -> str:
+    lines = [f"{name_b} - {name_a}, {r.length} tokens, tasks weighed equally: "
+             f"{r.mean_b:.2f} - {r.mean_a:.2f} = {r.diff:+.2f} points, 95% bootstrap interval "
+             f"[{r.ci_low:+.1f}, {r.ci_high:+.1f}] (prompts resampled within each task)", "",
+             f"| task | n | {name_a} | {name_b} | difference |", "| --- | --- | --- | --- | --- |"]
+    for t, (x, y) in r.per_task.items():
+        lines.append(f"| {t} | {r.n_per_task[t]} | {x:.1f} | {y:.1f} | {y - x:+.1f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main_paired(path_a: str, path_b: str, length: int, tasks: Sequence[str] | None, n_boot: int) -> str:
+    r = paired_difference(load_scores(path_a), load_scores(path_b), length, tasks, n_boot=n_boot)
+    return paired_markdown(r, Path(path_a).stem, Path(path_b).stem)

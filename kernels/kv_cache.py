@@ -1,0 +1,69 @@
+"""Triton KV store with page summaries; reference: `kv_cache_naive.store_kv`.
+
+One launch per layer writes the new keys and values into the head-major pool
+and refreshes the mean-key summaries of the pages the write ends in. Program
+(n, h) stores token n's head h; if token n is the last one of its page in this
+write, it also sums that page's keys at offsets 0..off in offset order, taking
+the offsets written by this same launch from its inputs (other programs may
+not have stored them yet) and the earlier ones from the pool. A fixed order
+makes a page's summary independent of how its tokens were split across writes
+(chunks, decode steps), which the selection's reproducibility relies on.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _store_kv_kernel(k_pool, v_pool, loc, k, v, key_sum, count, N, H, stride_kt, stride_kh, stride_vt, stride_vh,
+                     P: tl.constexpr, D: tl.constexpr, SUMMARIZE: tl.constexpr):
+    n = tl.program_id(0)
+    h = tl.program_id(1)
+    slot = tl.load(loc + n).to(tl.int64)
+    page = slot // P
+    off = slot % P
+    offs_d = tl.arange(0, D)
+    kn = tl.load(k + n.to(tl.int64) * stride_kt + h * stride_kh + offs_d)
+    vn = tl.load(v + n.to(tl.int64) * stride_vt + h * stride_vh + offs_d)
+    dst = ((page * H + h) * P + off) * D + offs_d
+    tl.store(k_pool + dst, kn.to(k_pool.dtype.element_ty))
+    tl.store(v_pool + dst, vn.to(v_pool.dtype.element_ty))
+    if SUMMARIZE:
+        nxt = tl.load(loc + tl.minimum(n + 1, N - 1)).to(tl.int64)
+        if (n == N - 1) | (nxt // P != page):
+            offs_p = tl.arange(0, P)
+            upto = offs_p <= off
+            m = n - (off - offs_p)                          # input index holding offset p, if this write has it
+            m_ok = upto & (m >= 0)
+            m_slot = tl.load(loc + tl.maximum(m, 0), mask=m_ok, other=-1).to(tl.int64)
+            from_input = m_ok & (m_slot == page * P + offs_p)
+            x_in = tl.load(k + tl.maximum(m, 0).to(tl.int64)[:, None] * stride_kt + h * stride_kh + offs_d[None, :],
+                           mask=from_input[:, None], other=0.0).to(k_pool.dtype.element_ty).to(tl.float32)
+            x_pool = tl.load(k_pool + ((page * H + h) * P + offs_p)[:, None] * D + offs_d[None, :],
+                             mask=(upto & ~from_input)[:, None], other=0.0).to(tl.float32)
+            s = tl.sum(x_in + x_pool, axis=0)
+            tl.store(key_sum + (page * H + h) * D + offs_d, s)
+            if h == 0:
+                tl.store(count + page, (off + 1).to(tl.int32))
+
+
+def store_kv(k_pool: torch.Tensor, v_pool: torch.Tensor, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             key_sum: torch.Tensor | None = None, count: torch.Tensor | None = None) -> None:
+    """Same contract as `kv_cache_naive.store_kv` (head_dim and page size powers of two)."""
+    N = loc.numel()
+    if N == 0:
+        return
+    _, H, P, D = k_pool.shape
+    k = k.view(N, H, D)
+    v = v.view(N, H, D)
+    if k.stride(2) != 1:
+        k = k.contiguous()
+    if v.stride(2) != 1:
+        v = v.contiguous()
+    summarize = key_sum is not None
+    _store_kv_kernel[(N, H)](k_pool, v_pool, loc, k, v, key_sum if summarize else k_pool,
+                             count if summarize else loc, N, H, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                             P=P, D=D, SUMMARIZE=summarize)

@@ -1,0 +1,336 @@
+#!/usr/bin/env python3
+"""Time to first token, stock SGLang against `compact`, side by side (run on the GPU host).
+
+    source scripts/gpu/setup.sh
+    # Qwen2.5-Coder-0.5B with real weights, 4K-31K, chunk 1024 and 8192, batch 1:
+    python3 scripts/bench_ttft.py --model-path /tmp/qwen --model-name qwen2.5-coder-0.5b --page-size 32 \\
+        --contexts 4096,8192,16384,31744 --chunks 1024,8192 --batches 1 \\
+        --methods flashinfer,fa3,compact,compact-dense --out-dir $OUT/r
+    # Llama-3.1-8B shapes (dummy weights), 8K-128K:
+    python3 scripts/bench_ttft.py --model llama-3.1-8b --page-size 64 --contexts 8192,32768,65536,130816 \
+        --sequential ...        (the longest prompt + 256 must fit Llama-3.1's 131,072 positions)
+
+For each chunk size, one server per method starts (side by side on the one GPU, each with a capped
+KV pool; one at a time with --sequential; SGLang's defaults otherwise, prefill CUDA graphs included,
+unless --no-prefill-graphs); then each is timed alone, the others idle, after a warm-up request at the
+longest context (so every code path, the sparse one included, has compiled). For each (context, batch):
+`--reps` rounds of `batch` concurrent requests with fresh random prompts (no radix-cache hits) and
+`max_new_tokens=1`; the TTFT of a round is its slowest request; the row takes the median. With
+`--profile-steps` one more round runs under SGLang's profiler and `scripts/trace_summary.py` summarises
+the trace (kernel launches and host time per layer). A compact
+server runs with `--enable-metrics`: the density of its round (mean over its sparse forward passes of
+the pages read over the context pages; 1.0 when nothing went sparse) and the fraction of its q-blocks
+that went sparse are read from `/metrics` around the round.
+
+Methods: `flashinfer`, `fa3` (stock SGLang backends); `compact` (its defaults), `compact-dense`
+(`--compact-selector dense`), `compact-budget-D` (`budget` at density D), any of them with
+`-fa2` (`--compact-prefill-kernel fa2`) or `-at0` (`--compact-min-context 0`: sparse from the start).
+
+Rows `{"bench": "ttft", "model", "context", "chunk", "batch", "tp", "method", "density", "ms",
+"speedup_vs_flashinfer", "gpu", "date", ...}` are appended to `<out-dir>/speed.json`; the table goes
+to `<out-dir>/<--name>.md` and the ratios against prompt length to `<--name>.png`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import datetime
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "scripts"))
+sys.path.insert(0, str(REPO / "scripts" / "gpu"))
+from make_llama_config import write_model_dir  # noqa: E402
+from serving_check import generate, start_server  # noqa: E402
+import trace_summary  # noqa: E402
+
+STOCK = "sglang.launch_server"
+COMPACT = "sglang_compact.launch_server"
+
+
+def method_args(method: str) -> tuple[str, list[str]]:
+    """(module, backend flags) of a method name (see the module docstring)."""
+    if method == "flashinfer":
+        return STOCK, ["--attention-backend", "flashinfer"]
+    if method == "fa3":
+        return STOCK, ["--attention-backend", "fa3"]
+    if not method.startswith("compact"):
+        raise ValueError(f"unknown method {method!r}")
+    flags = ["--attention-backend", "compact", "--enable-metrics"]
+    name = method
+    suffixes = {"-fa2": ["--compact-prefill-kernel", "fa2"], "-at0": ["--compact-min-context", "0"]}
+    while any(name.endswith(x) for x in suffixes):
+        suffix = next(x for x in suffixes if name.endswith(x))
+        name, flags = name[:-len(suffix)], flags + suffixes[suffix]
+    if name == "compact":
+        return COMPACT, flags
+    if name == "compact-dense":
+        return COMPACT, flags + ["--compact-selector", "dense"]
+    if name.startswith("compact-budget-"):
+        return COMPACT, flags + ["--compact-selector", "budget", "--compact-density", name.rsplit("-", 1)[1]]
+    raise ValueError(f"unknown method {method!r}")
+
+
+def compact_counters(srv) -> dict:
+    """The compact series needed for a round's density, summed over their label sets."""
+    want = {"sglang:compact_density_forward_sum": "dsum", "sglang:compact_density_forward_count": "dcount"}
+    out = {"dsum": 0.0, "dcount": 0.0, "sparse": 0.0, "qblocks": 0.0}
+    for line in srv.metrics().splitlines():
+        if not line.startswith("sglang:compact_"):
+            continue
+        name, value = line.split("{")[0].split(" ")[0], float(line.rsplit(" ", 1)[1])
+        if name in want:
+            out[want[name]] += value
+        elif name == "sglang:compact_qblocks_total":
+            out["qblocks"] += value
+            if 'path="sparse"' in line:
+                out["sparse"] += value
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model", choices=["llama-3.1-8b", "qwen2.5-0.5b"], help="a config with dummy weights")
+    src.add_argument("--model-path", help="an HF folder with real weights")
+    ap.add_argument("--model-name", default=None, help="name in the rows (default: --model or the folder name)")
+    ap.add_argument("--layers", type=int, default=None, help="layers of the dummy config (default: all)")
+    ap.add_argument("--page-size", type=int, default=64)
+    ap.add_argument("--contexts", default="8192,32768,65536,131072")
+    ap.add_argument("--chunks", default="1024,8192")
+    ap.add_argument("--batches", default="1")
+    ap.add_argument("--methods", default="flashinfer,compact,compact-dense")
+    ap.add_argument("--tp", type=int, default=1,
+                    help="tensor parallel size. KV per rank = batch x (context + 1024) x layers x 2 x (kv heads / tp) "
+                         "x head_dim x 2 bytes: Llama-3.1-8B at batch 8 x 128K is 8 x 132K x 32 x 2 x 4 x 128 x 2 "
+                         "= 69 GB per rank at TP2, plus 8 GB of weights per rank")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--no-prefill-graphs", action="store_true", help="start every server with "
+                    "--disable-prefill-cuda-graph (default: SGLang's breakable prefill CUDA graphs)")
+    ap.add_argument("--extra-args", default="", help="more flags for every server")
+    ap.add_argument("--name", default="speed_no_harm", help="basename of the table and plot")
+    ap.add_argument("--out-dir", default=str(REPO / "docs" / "results"))
+    ap.add_argument("--deadline-s", type=float, default=None, help="start no new (chunk, method) after this")
+    ap.add_argument("--sequential", action="store_true",
+                    help="start one server at a time (big models: several side by side may not fit)")
+    ap.add_argument("--profile-steps", type=int, default=0,
+                    help="after timing each (context, batch), one more round with SGLang's torch profiler on for "
+                         "this many forward passes, started --profile-at of the way through (0: off); the trace "
+                         "summaries go to <out-dir>/profile_<name>.{md,json} (scripts/trace_summary.py)")
+    ap.add_argument("--profile-at", type=float, default=0.6,
+                    help="fraction of the timed TTFT after which profiling starts (default 0.6)")
+    ap.add_argument("--start-timeout", type=float, default=900)
+    ap.add_argument("--dry-run", action="store_true", help="print the servers, their flags and the per-rank KV "
+                    "memory, then exit")
+    a = ap.parse_args()
+    t_start = time.time()
+    out = Path(a.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    if a.model:
+        model = write_model_dir(f"/tmp/{a.model}-dummy", a.model, a.layers)
+        model_flags = ["--load-format", "dummy", "--skip-tokenizer-init"]
+        name = a.model_name or a.model
+        vocab = (1000, 120000 if a.model.startswith("llama") else 150000)
+    else:
+        model = Path(a.model_path)
+        model_flags = []
+        name = a.model_name or model.name
+        vocab = (1000, json.loads((model / "config.json").read_text())["vocab_size"] - 1000)
+    ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
+    contexts, chunks, batches = ints(a.contexts), ints(a.chunks), ints(a.batches)
+    methods = [m for m in a.methods.split(",") if m]
+    import torch
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    cmd = "python3 scripts/bench_ttft.py " + " ".join(sys.argv[1:])
+    rng = random.Random(0)
+    rows = []
+    pool_tokens = (max(contexts) + 1024) * max(batches) + 4096
+    context_len = max(contexts) + 256
+    hf = json.loads((Path(model) / "config.json").read_text())
+    model_max = hf.get("max_position_embeddings")
+    if model_max and context_len > model_max:
+        raise SystemExit(f"--contexts: the longest prompt plus 256 ({context_len}) exceeds the model's "
+                         f"{model_max} positions; use at most {model_max - 256}")
+
+    def start(method: str, chunk: int):
+        module, flags = method_args(method)
+        common = model_flags + ["--page-size", str(a.page_size), "--tp", str(a.tp), "--chunked-prefill-size",
+                                str(chunk), "--context-length", str(context_len), "--max-running-requests",
+                                str(max(batches)), "--cuda-graph-max-bs", str(max(batches)),
+                                "--mem-fraction-static", "0.9", "--max-total-tokens", str(pool_tokens)]
+        if a.no_prefill_graphs:
+            common.append("--disable-prefill-cuda-graph")
+        common += a.extra_args.split()
+        return start_server(module, model, common + flags, out / f"ttft_{name}_{method}_c{chunk}.log",
+                            timeout=a.start_timeout)
+
+    def measure(srv, method: str, chunk: int) -> None:
+        compact = method.startswith("compact")
+        # warm-up at the longest context: every code path (the sparse one included) compiles before timing
+        generate(srv, [rng.randrange(*vocab) for _ in range(max(contexts))], 1)
+        for ctx in contexts:
+            for bsz in batches:
+                def round_(n_tokens, n_req):
+                    prompts = [[rng.randrange(*vocab) for _ in range(n_tokens)] for _ in range(n_req)]
+                    t0 = time.time()
+                    with cf.ThreadPoolExecutor(n_req) as ex:
+                        list(ex.map(lambda p: generate(srv, p, 1), prompts))
+                    return time.time() - t0
+                times, dens, frac = [], [], []
+                for _ in range(a.reps):
+                    before = compact_counters(srv) if compact else None
+                    times.append(round_(ctx, bsz))
+                    if compact:
+                        after = compact_counters(srv)
+                        dc = after["dcount"] - before["dcount"]
+                        dens.append((after["dsum"] - before["dsum"]) / dc if dc else 1.0)
+                        dq = after["qblocks"] - before["qblocks"]
+                        frac.append((after["sparse"] - before["sparse"]) / dq if dq else 0.0)
+                row = {"bench": "ttft", "model": name, "context": ctx, "chunk": chunk, "batch": bsz, "tp": a.tp,
+                       "method": method, "density": statistics.median(dens) if compact else 1.0,
+                       "sparse_qblocks": statistics.median(frac) if compact else 0.0,
+                       "ms": 1000 * statistics.median(times), "ms_all": [round(1000 * t, 1) for t in times],
+                       "speedup_vs_flashinfer": None, "prefill_graphs": not a.no_prefill_graphs,
+                       "page_size": a.page_size, "server_start_s": round(srv.startup_seconds or 0, 1),
+                       "gpu": gpu, "date": date, "cmd": cmd}
+                rows.append(row)
+                print(f"{method} chunk {chunk} ctx {ctx} batch {bsz}: {row['ms']:.1f} ms (all {row['ms_all']}) "
+                      f"density {row['density']:.3f} sparse q-blocks {row['sparse_qblocks']:.2f}", flush=True)
+                if a.profile_steps:
+                    profile(srv, method, chunk, ctx, bsz, statistics.median(times), round_)
+
+    profiles = []
+
+    def profile(srv, method: str, chunk: int, ctx: int, bsz: int, ttft_s: float, round_) -> None:
+        """One more round, untimed, with SGLang's profiler on for a few forward passes part way through."""
+        pid = f"{method}_c{chunk}_ctx{ctx}_b{bsz}"
+        trace_dir = Path("/tmp/ttft_traces")
+        trace_dir.mkdir(parents=True, exist_ok=True)
+        with cf.ThreadPoolExecutor(1) as ex:
+            fut = ex.submit(round_, ctx, bsz)
+            time.sleep(a.profile_at * ttft_s)
+            reply = srv.post("/start_profile", {"output_dir": str(trace_dir), "num_steps": a.profile_steps,
+                                                "activities": ["CPU", "GPU"], "with_stack": False,
+                                                "record_shapes": False, "profile_id": pid})
+            fut.result()
+        trace = trace_dir / f"{pid}-TP-0.trace.json.gz"
+        for _ in range(60):  # the scheduler writes it when the last profiled step ends
+            if trace.exists():
+                break
+            time.sleep(1)
+        if not trace.exists():
+            print(f"profile {pid}: no trace ({reply})", flush=True)
+            return
+        time.sleep(2)  # let the export finish
+        events = trace_summary.load_trace(trace)
+        layers = a.layers or (32 if a.model == "llama-3.1-8b" else 24)
+        steps = trace_summary.count_forward_passes(events, layers) or a.profile_steps + 1
+        summary = trace_summary.summarize(events, steps)
+        summary.update(method=method, chunk=chunk, context=ctx, batch=bsz, prefix_at_start=int(a.profile_at * ctx))
+        profiles.append(summary)
+        print(trace_summary.render(summary, pid).splitlines()[2], flush=True)
+
+    if a.dry_run:
+        layers = hf["num_hidden_layers"]
+        kv_heads, head_dim = hf["num_key_value_heads"], hf.get("head_dim") or hf["hidden_size"] // hf[
+            "num_attention_heads"]
+        kv = pool_tokens * layers * 2 * (kv_heads // a.tp) * head_dim * 2
+        print(f"model {name}: {layers} layers, {kv_heads} kv heads x {head_dim}; pool {pool_tokens} tokens: "
+              f"{kv / 2**30:.1f} GiB of KV per rank at TP{a.tp}")
+        for chunk in chunks:
+            for m in methods:
+                module, flags = method_args(m)
+                print(f"chunk {chunk} {m}: python3 -m {module} --model-path {model} --chunked-prefill-size {chunk} "
+                      f"--tp {a.tp} {' '.join(flags)}")
+            print(f"  then per server: contexts {contexts} x batches {batches}, {a.reps} reps each")
+        return 0
+    for chunk in chunks:
+        if a.deadline_s and time.time() - t_start > a.deadline_s:
+            print(f"deadline reached; skipping chunk {chunk}", flush=True)
+            continue
+        groups = [[m] for m in methods] if a.sequential else [methods]
+        for group in groups:
+            if a.deadline_s and time.time() - t_start > a.deadline_s:
+                print(f"deadline reached; skipping chunk {chunk} {group}", flush=True)
+                continue
+            with cf.ThreadPoolExecutor(len(group)) as ex:
+                futures = {m: ex.submit(start, m, chunk) for m in group}
+            servers = {}
+            for m, f in futures.items():
+                try:
+                    servers[m] = f.result()
+                except Exception as e:  # noqa: BLE001
+                    print(f"{m} chunk {chunk}: server failed: {e}", flush=True)
+            try:
+                for m in group:
+                    if m in servers and not (a.deadline_s and time.time() - t_start > a.deadline_s):
+                        measure(servers[m], m, chunk)
+            finally:
+                for srv in servers.values():
+                    srv.stop()
+    for r in rows:
+        base = [x for x in rows if x["method"] == "flashinfer" and all(
+            x[k] == r[k] for k in ("model", "context", "chunk", "batch", "tp"))]
+        if base:
+            r["speedup_vs_flashinfer"] = base[0]["ms"] / r["ms"]
+    path = out / "speed.json"
+    old = json.loads(path.read_text()) if path.exists() else []
+    path.write_text(json.dumps(old + rows, indent=1))
+    lines = [f"# Time to first token: {name} ({gpu}, {date})", "", f"Command: `{cmd}`", "",
+             "| context | chunk | batch | method | density | sparse q-blocks | TTFT ms (median) | vs flashinfer |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        sp = f"{r['speedup_vs_flashinfer']:.2f}" if r["speedup_vs_flashinfer"] else ""
+        lines.append(f"| {r['context']} | {r['chunk']} | {r['batch']} | {r['method']} | {r['density']:.2f} | "
+                     f"{r['sparse_qblocks']:.2f} | {r['ms']:.1f} | {sp} |")
+    (out / f"{a.name}.md").write_text("\n".join(lines) + "\n")
+    if profiles:
+        (out / f"profile_{a.name}.json").write_text(json.dumps(profiles, indent=1))
+        md = [f"# Forward-pass profiles: {name} ({gpu}, {date})", "", f"Command: `{cmd}`", "",
+              f"SGLang's torch profiler asked for {a.profile_steps} forward passes, started {a.profile_at:.0%} of the "
+              "way through a prompt; per-step figures divide by the forward passes the trace holds.", ""]
+        for p in profiles:
+            md.append(trace_summary.render(p, f"{p['method']} chunk {p['chunk']} context {p['context']} batch "
+                                              f"{p['batch']} (prefix ~{p['prefix_at_start']})"))
+        (out / f"profile_{a.name}.md").write_text("\n".join(md) + "\n")
+    plot(rows, out / f"{a.name}.png", f"{name}: TTFT of stock flashinfer / TTFT of the method ({gpu})")
+    print("\n".join(lines))
+    return 0
+
+
+def plot(rows, path: Path, title: str) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib missing: no plot", flush=True)
+        return
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    keys = sorted({(r["method"], r["chunk"], r["batch"]) for r in rows if r["method"] != "flashinfer"})
+    for m, c, b in keys:
+        pts = sorted((r["context"], r["speedup_vs_flashinfer"]) for r in rows
+                     if (r["method"], r["chunk"], r["batch"]) == (m, c, b) and r["speedup_vs_flashinfer"])
+        if pts:
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{m}, chunk {c}, batch {b}")
+    ax.axhline(1.0, color="gray", lw=0.8)
+    ax.axhline(0.97, color="red", lw=0.8, ls="--", label="0.97 (do no harm)")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("prompt tokens")
+    ax.set_ylabel("speedup vs stock flashinfer")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

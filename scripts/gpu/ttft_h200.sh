@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# One GPU-host call: scripts/bench_ttft.py with the given flags; the table, the first server errors, and all
+# results tarred into $OUT/<name>.tgz.   bash scripts/gpu/ttft_h200.sh NAME [bench_ttft.py flags]
+set -uo pipefail
+NAME=$1; shift
+source scripts/gpu/setup.sh > /dev/null 2>&1 || exit 1
+R=/tmp/res/$NAME; rm -rf $R; mkdir -p $R
+python3 scripts/bench_ttft.py --name $NAME --out-dir $R "$@" > $R/bench.log 2>&1
+echo "bench: exit $?"; tail -24 $R/$NAME.md 2>/dev/null
+grep -h -E "Traceback|Error|error:" $R/*.log 2>/dev/null | grep -v "Ignore import error" | head -8 | cut -c1-300
+grep -h "sglang_compact:" $R/*.log 2>/dev/null | head -2 | cut -c1-500
+pkill -9 -f "sglang::|launch_server --model" 2>/dev/null
+tar czf $OUT/$NAME.tgz -C /tmp/res $NAME

@@ -1,0 +1,63 @@
+"""Every use of FlashInfer's internals, in one place, with the versions it was checked against.
+
+The sparse path plans a paged wrapper once per forward pass and then lets the
+index kernel write each layer's `kv_indptr` / `kv_indices` straight into the
+device tensors the wrapper runs from. FlashInfer keeps those tensors in
+private attributes (`_paged_kv_indptr_buf`, `_paged_kv_indices_buf`, set by
+`plan()`); `index_buffers` reads them and fails with a clear message when a
+FlashInfer release renames them.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from sglang_compact.indices import IndexBuffers
+
+logger = logging.getLogger(__name__)
+
+#: FlashInfer releases whose private wrapper buffers were checked (GPU tests on the H200)
+TESTED_VERSIONS = ("0.6.15.post1",)
+_checked = False
+
+
+def flashinfer():
+    """The flashinfer module, with a one-time warning for an untested release."""
+    global _checked
+    import flashinfer as fi
+    if not _checked:
+        _checked = True
+        if fi.__version__ not in TESTED_VERSIONS:
+            logger.warning("sglang-compact was checked with flashinfer %s, found %s: its private wrapper "
+                           "buffers may differ", ", ".join(TESTED_VERSIONS), fi.__version__)
+    return fi
+
+
+def paged_wrapper(workspace: torch.Tensor, backend: str):
+    """Paged prefill over a head-major ("HND") pool."""
+    return flashinfer().BatchPrefillWithPagedKVCacheWrapper(workspace, "HND", backend=backend)
+
+
+def ragged_wrapper(workspace: torch.Tensor, backend: str):
+    return flashinfer().BatchPrefillWithRaggedKVCacheWrapper(workspace, "NHD", backend=backend)
+
+
+def decode_wrapper(workspace: torch.Tensor, **buffers):
+    """Decode over a head-major pool with tensor cores (CUDA-graph buffers in `buffers` when given)."""
+    return flashinfer().BatchDecodeWithPagedKVCacheWrapper(workspace, "HND", use_tensor_cores=True, **buffers)
+
+
+def index_buffers(wrapper) -> IndexBuffers:
+    """The device tensors a planned paged wrapper reads kv_indptr / kv_indices from."""
+    try:
+        return IndexBuffers.wrap(wrapper._paged_kv_indptr_buf, wrapper._paged_kv_indices_buf)
+    except AttributeError as e:
+        import flashinfer as fi
+        raise RuntimeError(f"flashinfer {fi.__version__}: the paged wrapper has no {e.name}; sglang-compact "
+                           f"writes each layer's indices into it (checked with {', '.join(TESTED_VERSIONS)})") from None
+
+
+def merge_state(o_a, lse_a, o_b, lse_b):
+    return flashinfer().merge_state(o_a, lse_a, o_b, lse_b)

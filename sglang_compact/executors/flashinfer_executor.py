@@ -1,0 +1,213 @@
+"""FlashInfer executors (GPU): dense passes as stock SGLang runs them, sparse passes as rows.
+
+Dense pass (no q-block reads a selection), planned once per forward pass:
+ragged causal attention over each chunk's own tokens + paged attention over
+its prefix pages (all heads, page ids, head-major pool) + `merge_state`: the
+kernels stock SGLang's FlashInfer backend runs, with nothing else per layer.
+
+Sparse pass: the pool `[num_pages, H_kv, P, D]` is viewed as
+`[num_pages * H_kv, 1, P, D]`, so every row (kv head g, window w) is a
+one-kv-head "request" with G query heads over pages `page * H_kv + g`, read in
+place. Queries are reshaped `[T, H_q, D] -> [H_kv * T, G, D]` (a chunk-sized
+copy; no KV is copied). One causal paged pass per layer: a row's last pages are
+its window's own, its queries the window's last tokens, so FlashInfer's
+bottom-right causal mask is each query's causal mask.
+
+Two kernels, one class each:
+* `FlashInferFA2Executor`: the rows' wrapper is planned once per forward pass
+  with each row's whole context as its length and split-KV off; each layer's
+  index kernel then writes the real kv_indptr / kv_indices into the wrapper's
+  device buffers (`index_buffers`). With split-KV off every CTA reads its row's
+  real length, so the once-made plan serves every layer (checked bit-identical
+  to a fresh plan on the H200).
+* `FlashInferFA3Executor` (Hopper): fa3 bakes row lengths into its host-side
+  schedule, so one plan serves every layer only when the lengths are known on
+  the host (`ForwardShape.row_pages`: dense passes, selectors that fix them).
+  Otherwise it plans every layer from host copies of the lengths (one
+  device->host sync per layer; for benchmarks). A dense pass in which some
+  request has no prefix runs its paged part on fa2 (fa3 is not given empty rows).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sglang_compact.batch import ChunkBatch, host_cumsum
+from sglang_compact.executors import flashinfer_adapter as fi
+from sglang_compact.executors.base import ForwardShape, rows_from_tokens, tokens_from_rows
+from sglang_compact.indices import IndexBuffers, PagedIndices
+
+DEFAULT_WORKSPACE_BYTES = 256 * 1024 * 1024
+
+
+def _i32(values) -> torch.Tensor:
+    return torch.tensor(list(values), dtype=torch.int32)
+
+
+class FlashInferExecutor:
+    """Shared by the fa2 and fa3 executors. Args:
+        device: CUDA device.
+        max_rows: bound on R = H_kv * NW per forward pass.
+        max_indices: bound on the (row, page) pairs of a pass in which every row reads its whole context.
+    """
+
+    kernel = "fa2"
+
+    def __init__(self, device, max_rows: int, max_indices: int, workspace_bytes: int = DEFAULT_WORKSPACE_BYTES):
+        fi.flashinfer()  # fail early and clearly without it
+        self.device = torch.device(device)
+        self.max_rows = max_rows
+        self.max_indices = max_indices
+        self.workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=self.device)
+        self._indices = torch.zeros(0, dtype=torch.int32, device=self.device)  # grown to the largest pass seen
+        self._paged: dict[str, object] = {}
+        self._ragged: dict[str, object] = {}
+        self.shape: ForwardShape | None = None
+        self.index_buffers: IndexBuffers | None = None
+        #: how the current forward pass runs: "dense", "rows" (planned once) or "rows-per-layer"
+        self.mode: str | None = None
+
+    def _paged_wrapper(self, kernel: str, role: str):
+        key = f"{role}-{kernel}"
+        if key not in self._paged:
+            self._paged[key] = fi.paged_wrapper(self.workspace, kernel)
+        return self._paged[key]
+
+    def _ragged_wrapper(self, kernel: str):
+        if kernel not in self._ragged:
+            self._ragged[kernel] = fi.ragged_wrapper(self.workspace, kernel)
+        return self._ragged[kernel]
+
+    # --- once per forward pass ------------------------------------------------------------------
+    def plan_forward(self, shape: ForwardShape, page_table: torch.Tensor) -> None:
+        self.shape = shape
+        self.index_buffers = None
+        if shape.sparse:
+            self._plan_rows(shape)
+        else:
+            self._plan_dense(shape, page_table)
+
+    def _plan_dense(self, shape: ForwardShape, page_table: torch.Tensor) -> None:
+        s = shape
+        self.mode = "dense"
+        cu = _i32(host_cumsum(s.chunk_lens))
+        self._ragged_kernel = self.kernel
+        self._ragged_wrapper(self.kernel).plan(cu, cu, s.num_q_heads, s.num_kv_heads, s.head_dim, causal=True,
+                                               sm_scale=s.sm_scale, q_data_type=s.dtype, kv_data_type=s.dtype)
+        n = s.prefix_pages()
+        self._dense_paged = None
+        if not any(n):
+            return
+        kernel = self.kernel if all(n) else "fa2"
+        width = page_table.shape[1]
+        flat = _i32(b * width + j for b, k in enumerate(n) for j in range(k)).to(self.device, non_blocking=True)
+        indices = page_table.reshape(-1)[flat]
+        last = [L - (k - 1) * s.page_size if k else 0 for L, k in zip(s.prefix_lens, n)]
+        w = self._paged_wrapper(kernel, "dense")
+        w.plan(cu, _i32(host_cumsum(n)), indices, _i32(last), s.num_q_heads, s.num_kv_heads, s.head_dim,
+               s.page_size, causal=False, sm_scale=s.sm_scale, q_data_type=s.dtype, kv_data_type=s.dtype)
+        self._dense_paged = w
+
+    def _rows_plan(self, shape: ForwardShape):
+        """(kernel, kv_indptr to plan with, extra plan arguments) of a sparse pass."""
+        return "fa2", shape.rows_upper_bound(), dict(disable_split_kv=True)
+
+    def _plan_rows(self, shape: ForwardShape) -> None:
+        s = shape
+        R = s.num_rows
+        ub = s.rows_upper_bound()
+        if R > self.max_rows or ub[-1] > self.max_indices:
+            raise ValueError(f"forward pass needs {R} rows / {ub[-1]} page indices; the executor holds "
+                             f"{self.max_rows} / {self.max_indices}")
+        self._qo = _i32(s.qblocks.rows_qo_indptr(s.num_kv_heads, s.total_tokens))
+        self._last = _i32(s.qblocks.last_page_len() * s.num_kv_heads)
+        kernel, kv_indptr, extra = self._rows_plan(s)
+        self._rows_kernel = kernel
+        if kv_indptr is None:
+            self.mode = "rows-per-layer"
+            return
+        self.mode = "rows"
+        w = self._paged_wrapper(kernel, "rows")
+        # kv_indices sized to the bound, on the device (the wrapper keeps this tensor and runs from it):
+        # each layer's index kernel writes into it
+        if self._indices.numel() < max(ub[-1], 1):
+            self._indices = torch.zeros(max(ub[-1], 1), dtype=torch.int32, device=self.device)
+        w.plan(self._qo, _i32(kv_indptr), self._indices[:max(ub[-1], 1)], self._last,
+               s.num_q_heads // s.num_kv_heads, 1, s.head_dim, s.page_size, causal=True, sm_scale=s.sm_scale,
+               q_data_type=s.dtype, kv_data_type=s.dtype, **extra)
+        self.index_buffers = fi.index_buffers(w)
+
+    # --- per layer ----------------------------------------------------------------------------------
+    def run(self, batch: ChunkBatch, indices: PagedIndices | None) -> torch.Tensor:
+        if self.shape is None:
+            raise RuntimeError(f"{type(self).__name__}.run before plan_forward")
+        if self.mode == "dense":
+            return self._run_dense(batch)
+        if indices is None:
+            raise ValueError("a sparse forward pass needs the layer's paged indices")
+        return self._run_rows(batch, indices)
+
+    def _run_dense(self, batch: ChunkBatch) -> torch.Tensor:
+        ragged = self._ragged_wrapper(self._ragged_kernel)
+        if self._dense_paged is None:
+            return ragged.run(batch.q, batch.k_chunk, batch.v_chunk)
+        o_c, lse_c = ragged.run(batch.q, batch.k_chunk, batch.v_chunk, return_lse=True)
+        o_p, lse_p = self._dense_paged.run(batch.q, (batch.k_pool, batch.v_pool), return_lse=True)
+        o, _ = fi.merge_state(o_c, lse_c, o_p, lse_p)
+        return o
+
+    def _run_rows(self, batch: ChunkBatch, indices: PagedIndices) -> torch.Tensor:
+        s = self.shape
+        H_kv, P, D = s.num_kv_heads, s.page_size, s.head_dim
+        w = self._paged_wrapper(self._rows_kernel, "rows")
+        if self.mode == "rows-per-layer":
+            n = int(indices.kv_indptr[-1])  # fa3 needs real lengths on the host: one sync per layer
+            w.plan(self._qo, indices.kv_indptr.cpu(), indices.kv_indices[:n], self._last, s.num_q_heads // H_kv, 1, D,
+                   P, causal=True, sm_scale=s.sm_scale, q_data_type=s.dtype, kv_data_type=s.dtype)
+        else:
+            self._load(indices)
+        kv = (batch.k_pool.view(-1, 1, P, D), batch.v_pool.view(-1, 1, P, D))
+        return tokens_from_rows(w.run(rows_from_tokens(batch.q, H_kv), kv), H_kv)
+
+    def _load(self, indices: PagedIndices) -> None:
+        """Make the wrapper read `indices` (a no-op when the index kernel wrote into its buffers)."""
+        b = self.index_buffers
+        if indices.kv_indptr.data_ptr() != b.kv_indptr.data_ptr():
+            b.kv_indptr[:indices.kv_indptr.numel()].copy_(indices.kv_indptr)
+        if indices.kv_indices.data_ptr() != b.kv_indices.data_ptr():
+            n = min(indices.kv_indices.numel(), b.kv_indices.numel())
+            b.kv_indices[:n].copy_(indices.kv_indices[:n])
+
+
+class FlashInferFA2Executor(FlashInferExecutor):
+    """fa2 everywhere: the rows planned once per forward pass with upper-bound lengths."""
+
+    kernel = "fa2"
+
+
+class FlashInferFA3Executor(FlashInferExecutor):
+    """fa3 (Hopper) for dense passes and for rows whose lengths are known on the host; rows whose lengths
+    depend on the scores run on fa2 planned once (`per_layer_rows=False`, what `auto` picks) or on fa3
+    planned every layer from host copies of the lengths (`per_layer_rows=True`: one sync per layer)."""
+
+    kernel = "fa3"
+
+    def __init__(self, *args, per_layer_rows: bool = False, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.per_layer_rows = per_layer_rows
+
+    def _rows_plan(self, shape: ForwardShape):
+        if shape.row_pages is None:
+            return ("fa3", None, {}) if self.per_layer_rows else super()._rows_plan(shape)
+        if len(shape.row_pages) != shape.num_rows:
+            raise ValueError(f"row_pages has {len(shape.row_pages)} rows, the pass has {shape.num_rows}")
+        return "fa3", host_cumsum(shape.row_pages), {}
+
+
+def make_flashinfer_executor(kernel: str, device, max_rows: int, max_indices: int) -> FlashInferExecutor:
+    """kernel: "fa2"; "fa3" (rows always on fa3); "fa3-auto" (fa3 where one plan serves every layer)."""
+    if kernel == "fa2":
+        return FlashInferFA2Executor(device, max_rows, max_indices)
+    if kernel in ("fa3", "fa3-auto"):
+        return FlashInferFA3Executor(device, max_rows, max_indices, per_layer_rows=kernel == "fa3")
+    raise ValueError(f"FlashInfer kernel must be 'fa2', 'fa3' or 'fa3-auto', got {kernel!r}")

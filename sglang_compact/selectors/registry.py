@@ -1,0 +1,185 @@
+"""The selector registry: the one source of selector names, parameters and traits.
+
+A selector is one module that defines a `Selector` subclass and a frozen
+dataclass of its parameters, and registers them:
+
+    @dataclass(frozen=True)
+    class MyParams(SelectorParams):
+        threshold: float = param(0.5, lo=0.0, hi=1.0, help="...")
+
+    @register_selector("mine", params=MyParams, uses_summaries=True)
+    class MySelector(Selector):
+        def select(self, batch, layer, summaries): ...
+
+The config (`CompactConfig`), the `--compact-*` flags, the evaluation and the
+docs read names, parameters, bounds and help from here. Selectors outside this
+package register the same way from any importable module, named by
+`CompactConfig.selector_modules` (`--compact-selector-module`) or by an entry
+point of the group `sglang_compact.selectors`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
+
+if TYPE_CHECKING:
+    from sglang_compact.selectors.base import Selector
+
+ENTRY_POINT_GROUP = "sglang_compact.selectors"
+
+
+def param(default: Any, *, lo: float | None = None, hi: float | None = None, power_of_two: bool = False,
+          help: str = "") -> Any:
+    """A selector parameter: its default (whose type is the parameter's kind: float, int, or None for a
+    path string), inclusive bounds (numbers) and help text."""
+    return dataclasses.field(default=default, metadata={"lo": lo, "hi": hi, "power_of_two": power_of_two,
+                                                        "help": help})
+
+
+@dataclass(frozen=True)
+class SelectorParams:
+    """Base of every selector's parameter dataclass (frozen; fields declared with `param`)."""
+
+    @classmethod
+    def fields(cls) -> tuple[dataclasses.Field, ...]:
+        return dataclasses.fields(cls)
+
+    @classmethod
+    def validated(cls, given: "Mapping[str, Any] | SelectorParams | None", owner: str) -> "SelectorParams":
+        """An instance from a mapping of overrides (or an instance), checked against the declared kinds and
+        bounds. Raises ValueError naming `owner` (e.g. "CompactConfig.selector_params") and the field."""
+        if isinstance(given, cls):
+            given = dataclasses.asdict(given)
+        elif isinstance(given, SelectorParams):
+            raise ValueError(f"{owner}: parameters of another selector ({type(given).__name__}), "
+                             f"expected {cls.__name__}")
+        given = dict(given or {})
+        names = [f.name for f in cls.fields()]
+        unknown = sorted(set(given) - set(names))
+        if unknown:
+            raise ValueError(f"{owner}: unknown parameter(s) {unknown} (allowed: {', '.join(names) or 'none'}), "
+                             f"got {given!r}")
+        values = {}
+        for f in cls.fields():
+            v = given.get(f.name, f.default)
+            values[f.name] = _check(f, v, f"{owner}[{f.name!r}]")
+        return cls(**values)
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _check(f: dataclasses.Field, v: Any, where: str) -> Any:
+    meta = f.metadata
+    kind = str if f.default is None else type(f.default)   # a parameter's kind is its default's
+    lo, hi = meta.get("lo"), meta.get("hi")
+    if kind is str:
+        if v is not None and not isinstance(v, str):
+            raise ValueError(f"{where}: must be a string (a path), got {v!r}")
+        return v
+    if kind is int:
+        if isinstance(v, bool) or not isinstance(v, int) or (lo is not None and v < lo) or (hi is not None and v > hi):
+            raise ValueError(f"{where}: must be an integer in [{lo}, {hi}], got {v!r}")
+        if meta.get("power_of_two") and v & (v - 1):
+            raise ValueError(f"{where}: must be a power of two in [{lo}, {hi}], got {v!r}")
+        return v
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v) or \
+            (lo is not None and v < lo) or (hi is not None and v > hi):
+        raise ValueError(f"{where}: must be a number in [{lo}, {hi}], got {v!r}")
+    return float(v)
+
+
+@dataclass(frozen=True)
+class NoParams(SelectorParams):
+    """A selector without parameters."""
+
+
+@dataclass(frozen=True)
+class SelectorSpec:
+    """What the rest of the system needs to know about a selector.
+
+    fixes_row_lengths: the pages each row reads depend only on the lengths (known on the host before any
+        search), so a kernel whose plan needs exact lengths (FlashInfer fa3) is planned once per forward pass.
+    uses_summaries: it scores the pages' mean keys (`PageSummaries`), which the backend then keeps.
+    expected_density: the fraction of a long context it typically reads (from the parameters), which the
+        cost gate weighs against its overhead.
+    """
+
+    name: str
+    cls: type
+    params: type[SelectorParams]
+    fixes_row_lengths: bool
+    uses_summaries: bool
+    expected_density: Callable[[SelectorParams], float]
+    help: str
+
+    def make(self, config) -> "Selector":
+        return self.cls(config)
+
+
+_REGISTRY: dict[str, SelectorSpec] = {}
+_entry_points_loaded = False
+
+
+def register_selector(name: str, *, params: type[SelectorParams] = NoParams, fixes_row_lengths: bool = False,
+                      uses_summaries: bool = False,
+                      expected_density: float | Callable[[SelectorParams], float] = 1.0) -> Callable[[type], type]:
+    """Class decorator registering a `Selector` subclass under `name` (re-registering a name replaces it)."""
+    if not name or not name.replace("_", "").replace("-", "").isalnum():
+        raise ValueError(f"selector name {name!r} must be letters, digits, '-' or '_'")
+    if not (isinstance(params, type) and issubclass(params, SelectorParams)):
+        raise TypeError(f"selector {name!r}: params must be a SelectorParams dataclass, got {params!r}")
+    density = expected_density if callable(expected_density) else (lambda _p, d=float(expected_density): d)
+
+    def deco(cls: type) -> type:
+        doc = (cls.__doc__ or "").strip().splitlines()
+        spec = SelectorSpec(name, cls, params, fixes_row_lengths, uses_summaries, density, doc[0] if doc else "")
+        cls.name = name
+        cls.spec = spec
+        _REGISTRY[name] = spec
+        return cls
+    return deco
+
+
+def _load_entry_points() -> None:
+    global _entry_points_loaded
+    if _entry_points_loaded:
+        return
+    _entry_points_loaded = True
+    from importlib.metadata import entry_points
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        ep.load()
+
+
+def import_selector_modules(modules: Sequence[str]) -> None:
+    """Import modules that register selectors (`--compact-selector-module`); a clear error if one fails."""
+    for mod in modules:
+        try:
+            importlib.import_module(mod)
+        except Exception as e:  # an ImportError, or the module's own error
+            raise ValueError(f"selector module {mod!r} could not be imported: {type(e).__name__}: {e}") from None
+
+
+def selector_spec(name: str) -> SelectorSpec:
+    if name not in _REGISTRY:
+        _load_entry_points()
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise ValueError(f"unknown selector {name!r}; one of {', '.join(selector_names())}") from None
+
+
+def selector_names() -> list[str]:
+    _load_entry_points()
+    return sorted(_REGISTRY)
+
+
+def describe_params() -> dict[str, list[tuple[str, Any, str]]]:
+    """Per selector: (parameter, default, help), for flags and docs."""
+    return {name: [(f.name, f.default, f.metadata.get("help", "")) for f in _REGISTRY[name].params.fields()]
+            for name in selector_names()}
+

@@ -1,0 +1,72 @@
+"""What the compact backend refuses at start, with the reason and the fix."""
+
+from __future__ import annotations
+
+import torch
+
+from sglang_compact.config import CompactConfig
+from sglang_compact.srt.compat import AttentionLayerInfo, RunnerView
+
+FLASHINFER_HEAD_DIMS = (64, 128, 256)
+KV_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+class UnsupportedModelError(ValueError):
+    """The model or server configuration cannot be served by the compact backend (raised at start)."""
+
+
+def config_for(attached: CompactConfig | None, page_size: int) -> CompactConfig:
+    """The launcher's validated config, or the defaults for this page size (the stock launcher)."""
+    cfg = attached
+    if cfg is None:
+        try:
+            cfg = CompactConfig(block_size=page_size)
+        except ValueError as e:
+            raise UnsupportedModelError(f"attention backend 'compact' needs --page-size to be a power of two in "
+                                        f"[16, 256] (e.g. --page-size 64): {e}") from None
+    if cfg.block_size != page_size:
+        raise UnsupportedModelError(f"--compact-block-size {cfg.block_size} differs from --page-size {page_size}; "
+                                    "a compact block is one KV page: drop --compact-block-size")
+    return cfg
+
+
+def check_runner(view: RunnerView) -> None:
+    if view.is_mla:
+        raise UnsupportedModelError("attention backend 'compact' does not support MLA models "
+                                    "(use --attention-backend flashinfer or an MLA backend)")
+    if not view.head_major:
+        raise UnsupportedModelError("attention backend 'compact' needs SGLang's head-major KV pool: set "
+                                    "SGLANG_USE_HND_KVCACHE=1 before starting the server (sglang_compact's "
+                                    "launcher and plugin set it for you)")
+    if view.kv_quantized or view.kv_dtype not in KV_DTYPES:
+        raise UnsupportedModelError(f"attention backend 'compact' supports bf16/fp16/fp32 KV caches, not "
+                                    f"{view.kv_dtype}: drop --kv-cache-dtype")
+    if view.device.type == "cuda" and view.head_dim not in FLASHINFER_HEAD_DIMS:
+        raise UnsupportedModelError(f"attention backend 'compact' supports head_dim {FLASHINFER_HEAD_DIMS} on CUDA "
+                                    f"(FlashInfer), the model has {view.head_dim}")
+
+
+def check_attention_layers(layers: list[AttentionLayerInfo], num_kv_heads: int, head_dim: int) -> tuple[int, float]:
+    """Refuse models whose attention layers the compact path cannot compute exactly.
+
+    Returns (query heads per rank, softmax scale), equal across the layers.
+    """
+    if not layers:
+        raise UnsupportedModelError("attention backend 'compact' found no attention layers in the model")
+    for layer in layers:
+        if not layer.decoder_self_attention:
+            raise UnsupportedModelError("attention backend 'compact' supports decoder self-attention only")
+        if layer.logit_cap > 0:
+            raise UnsupportedModelError("attention backend 'compact' does not support attention logit soft-capping")
+        if layer.sliding_window is not None:
+            raise UnsupportedModelError("attention backend 'compact' does not support sliding-window attention layers")
+        if layer.qk_head_dim != head_dim or layer.v_head_dim != head_dim or layer.kv_heads != num_kv_heads:
+            raise UnsupportedModelError(f"attention backend 'compact' needs every layer to match the KV pool "
+                                        f"({num_kv_heads} kv heads x {head_dim}); layer {layer.layer_id} differs")
+    shapes = {(layer.q_heads, layer.scaling) for layer in layers}
+    if len(shapes) != 1:
+        raise UnsupportedModelError(f"attention backend 'compact' needs one query-head count and scale, got {shapes}")
+    (h_q, scale), = shapes
+    if h_q % num_kv_heads:
+        raise UnsupportedModelError(f"{h_q} query heads per rank is not a multiple of {num_kv_heads} kv heads")
+    return h_q, scale

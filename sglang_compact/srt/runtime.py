@@ -1,0 +1,121 @@
+"""What the compact backend builds once, at start, for one model runner."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from sglang_compact.batch import cdiv
+from sglang_compact.compact import CompactAttention
+from sglang_compact.config import CompactConfig
+from sglang_compact.executors import TorchExecutor, make_flashinfer_executor
+from sglang_compact.gate import Gate, ModelShape
+from sglang_compact.summaries import PageSummaries
+from sglang_compact.srt import alignment, compat
+from sglang_compact.srt.model_checks import (UnsupportedModelError, check_attention_layers, check_runner,
+                                             config_for)
+from sglang_compact.srt.prompt_notes import NOTES
+from sglang_compact.srt.telemetry import CompactTelemetry, metrics_for
+
+logger = logging.getLogger(__name__)
+
+
+def resolve_prefill_kernel(config: CompactConfig, device: torch.device, dtype: torch.dtype) -> str:
+    """The FlashInfer kernel for `config.prefill_kernel` on this device: "fa2", "fa3" (rows on fa3 even when
+    their lengths vary: planned per layer) or "fa3-auto" (fa3 where one plan serves every layer, fa2 rows
+    otherwise)."""
+    hopper = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
+    want = config.prefill_kernel
+    if want == "auto":
+        return "fa3-auto" if hopper and dtype != torch.float32 else "fa2"
+    if want == "fa3":
+        if not hopper:
+            raise UnsupportedModelError("--compact-prefill-kernel fa3 needs a Hopper (sm90) GPU: use auto or fa2")
+        if dtype == torch.float32:
+            raise UnsupportedModelError("--compact-prefill-kernel fa3 needs a bf16 or fp16 KV cache: use auto or fa2")
+        if not config.spec.fixes_row_lengths:
+            logger.warning("sglang_compact: --compact-prefill-kernel fa3 with selector %r plans every layer from "
+                           "host copies of the row lengths (a device->host sync per layer); auto plans once",
+                           config.selector)
+    return want
+
+
+@dataclass
+class CompactRuntime:
+    config: CompactConfig
+    view: compat.RunnerView
+    pool: object
+    req_to_token: torch.Tensor
+    num_q_heads: int
+    sm_scale: float
+    compact: CompactAttention
+    gate: Gate
+    executor: object
+    kernel: str
+    summaries: PageSummaries | None
+    telemetry: CompactTelemetry
+    window_pages: int
+
+    @property
+    def device(self) -> torch.device:
+        return self.view.device
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.view.device.type == "cuda"
+
+    @property
+    def max_pages_per_req(self) -> int:
+        return cdiv(self.view.context_len + self.view.page_size, self.view.page_size)
+
+    @classmethod
+    def from_runner(cls, model_runner) -> "CompactRuntime":
+        view = compat.runner_view(model_runner)
+        config = config_for(compat.attached_config(model_runner.server_args), view.page_size)
+        check_runner(view)
+        h_q, scale = check_attention_layers(compat.attention_layers(model_runner.model), view.num_kv_heads,
+                                            view.head_dim)
+        compact = CompactAttention(config)
+        window = config.window_tokens(view.chunked_prefill_size)
+        chunk = view.chunked_prefill_size
+        if chunk and chunk > 0 and chunk % window:
+            raise UnsupportedModelError(f"--chunked-prefill-size {chunk} is not a multiple of the union window "
+                                        f"({window} tokens): use a multiple, or set --compact-union-window to a "
+                                        f"divisor of it")
+        if view.device.type == "cuda":
+            kernel = resolve_prefill_kernel(config, view.device, view.kv_dtype)
+            # a pass has at most max_tokens / W + max_requests windows (a chunk's ends may be partial windows)
+            max_windows = cdiv(view.chunked_prefill_size or view.context_len, window) + view.max_requests
+            max_rows = view.num_kv_heads * max_windows
+            max_indices = max_rows * cdiv(view.context_len + view.page_size, view.page_size)
+            executor = make_flashinfer_executor(kernel, view.device, max_rows=max_rows, max_indices=max_indices)
+            device_name = torch.cuda.get_device_name(view.device)
+        else:
+            kernel, executor, device_name = "torch", TorchExecutor(), None
+        shape = ModelShape(h_q, view.num_kv_heads, view.head_dim, view.page_size)
+        gate = Gate.for_server(config, shape, view.chunked_prefill_size, device_name,
+                               "fa3" if kernel.startswith("fa3") else "fa2", view.context_len)
+        summaries = None
+        if compact.uses_summaries and not gate.decision.never:
+            summaries = PageSummaries(view.num_layers, view.num_pages, view.num_kv_heads, view.head_dim, view.device)
+        metrics = metrics_for(view.enable_metrics, view.metric_labels, view.num_layers,
+                              None if gate.decision.never else gate.decision.min_context)
+        NOTES.enable()
+        alignment.activate(gate)
+        rt = cls(config, view, compat.kv_pool(model_runner), compat.req_to_token(model_runner), h_q, scale, compact,
+                 gate, executor, kernel, summaries, CompactTelemetry(view.num_layers, metrics),
+                 window // view.page_size)
+        logger.info("sglang_compact: %s; %d/%d heads x %d, page %d, prefill kernel %s, summaries %s; gate: %s",
+                    config.describe(), h_q, view.num_kv_heads, view.head_dim, view.page_size, kernel,
+                    "on" if summaries is not None else "off", gate.describe())
+        return rt
+
+    def page_table(self, req_pool_indices: torch.Tensor, n_pages: int) -> torch.Tensor:
+        """int32 [B, n_pages]: page ids of each request's first n_pages pages (garbage past its own)."""
+        P = self.view.page_size
+        pos = (torch.arange(max(n_pages, 1), device=self.req_to_token.device) * P).clamp(
+            max=self.req_to_token.shape[1] - 1)
+        slots = self.req_to_token[req_pool_indices.long()[:, None], pos[None, :]]
+        return torch.div(slots, P, rounding_mode="floor").to(torch.int32)

@@ -1,0 +1,89 @@
+"""The cost gate: which q-blocks read a selection, and where the break-even comes from."""
+
+import json
+
+import pytest
+
+from sglang_compact.config import CompactConfig
+from sglang_compact.gate import FALLBACK_MIN_CONTEXT, NEVER, CostModel, Gate, GateDecision, ModelShape, \
+    cost_model_json, load_cost_models
+
+SHAPE_8B = ModelShape(32, 8, 128, 64)
+SHAPE_05B = ModelShape(14, 2, 64, 32)
+
+
+def model(**kw):
+    base = dict(gpu="test", dense_flops={"fa2": 350e12, "fa3": 500e12}, rows_flops={"fa2": 330e12, "fa3": 480e12},
+                search_flops=100e12, sparse_gpu_s=20e-6, sparse_host_s=250e-6, dense_host_s=80e-6, margin=0.1)
+    base.update(kw)
+    return CostModel(**base)
+
+
+def test_break_even_grows_as_heads_shrink_and_never_below_it():
+    m = model()
+    big = m.break_even(SHAPE_8B, 1024, 0.3, "fa3", 131072)
+    small = m.break_even(SHAPE_05B, 1024, 0.3, "fa3", 131072)
+    assert big is not None and small is not None and small > big
+    for L in (big, big * 2, 131072 - 64):
+        dense, sparse = m.layer_times(SHAPE_8B, L, 1024, 0.3, "fa3")
+        assert sparse <= 0.9 * dense
+    dense, sparse = m.layer_times(SHAPE_8B, big - 64, 1024, 0.3, "fa3")
+    assert sparse > 0.9 * dense
+
+
+def test_break_even_none_when_the_overhead_never_pays():
+    assert model(sparse_host_s=1.0).break_even(SHAPE_8B, 1024, 0.3, "fa3", 131072) is None
+    assert model().break_even(SHAPE_8B, 1024, 1.0, "fa3", 131072) is None  # nothing saved at density 1
+
+
+def test_gate_sources():
+    shape, cfg = SHAPE_8B, CompactConfig(block_size=64)
+    assert Gate.for_server(cfg.replace(min_context=5000), shape, 1024, "any", "fa3", 131072).decision == \
+        GateDecision(5000, "flag", "--compact-min-context 5000")
+    assert Gate.for_server(cfg.replace(selector="dense"), shape, 1024, "any", "fa3", 131072).decision.never
+    fb = Gate.for_server(cfg, shape, 1024, "no such gpu", "fa3", 131072).decision
+    assert fb.source == "fallback" and fb.min_context == FALLBACK_MIN_CONTEXT
+
+
+def test_sparse_ranges_and_uses_compact_path():
+    """Windows of 1024 tokens (the default): window k is sparse when k * 1024 >= min_context and it holds
+    none of the last dense_tail prompt tokens."""
+    gate = Gate(CompactConfig(block_size=64, dense_tail=1000), GateDecision(4096, "flag", ""))
+    assert gate.window == 1024
+    assert gate.sparse_range(None) == (4, NEVER)
+    assert gate.sparse_range(20000) == (4, (20000 - 1000) // 1024)      # (4, 18)
+    assert gate.sparse_range(5000) == (4, 4)                           # all of it in the tail or below the gate
+    assert not gate.uses_compact_path(0, 4096)                         # context below the gate
+    assert gate.uses_compact_path(4000, 200, 20000)                    # reaches window 4
+    assert not gate.uses_compact_path(18432, 1024, 20000)              # window 18 holds tail tokens
+    assert gate.uses_compact_path(4096, 1, None)
+    never = Gate(CompactConfig(block_size=64), GateDecision(NEVER, "selector dense", ""))
+    assert never.sparse_range(10 ** 6) == (0, 0) and not never.uses_compact_path(10 ** 5, 1024)
+
+
+def test_the_decision_depends_on_positions_only():
+    """Window k is sparse iff lo <= k < hi: the same for any chunking of the prompt."""
+    gate = Gate(CompactConfig(block_size=16, dense_tail=100), GateDecision(300, "flag", ""), window_tokens=64)
+    lo, hi = gate.sparse_range(1000)
+    assert (lo, hi) == (5, 14)   # 5 * 64 >= 300; 14 * 64 <= 900 < 15 * 64
+    per_window = [lo <= k < hi for k in range(1000 // 64 + 1)]
+    assert per_window[lo] and not per_window[lo - 1] and not per_window[hi] and per_window[hi - 1]
+    # chunks cut anywhere see the same windows as sparse
+    for start, n in ((0, 1000), (256, 128), (320, 64), (640, 360)):
+        first, last = start // 64, (start + n - 1) // 64
+        assert gate.uses_compact_path(start, n, 1000) == any(per_window[first:last + 1])
+
+
+def test_shipped_cost_models_load_and_round_trip():
+    models = load_cost_models()
+    text = cost_model_json(models)
+    assert json.loads(text)["gpus"].keys() == models.keys()
+    for m in models.values():
+        assert m.dense_flops and m.rows_flops and m.search_flops > 0
+
+
+@pytest.mark.parametrize("name", sorted(load_cost_models()))
+def test_shipped_model_gates_the_small_model_off_at_short_contexts(name):
+    m = load_cost_models()[name]
+    be = m.break_even(SHAPE_05B, 1024, 0.5, "fa3", 32768)
+    assert be is None or be >= 8192

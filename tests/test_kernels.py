@@ -1,0 +1,151 @@
+"""Every Triton kernel against its plain-torch twin (`kernels/*_naive.py`) on fresh random inputs,
+run on the CPU under TRITON_INTERPRET=1 (set in conftest)."""
+
+import pytest
+import torch
+
+from sglang_compact.kernels import flashprefill, flashprefill_naive, indices, indices_naive, kv_cache, \
+    kv_cache_naive, union, union_naive
+from _cases import random_geometry
+
+SEEDS = range(6)
+
+
+def queries_and_summaries(case, Hq, Hkv, D, dtype=torch.float32):
+    g = case["generator"]
+    T = sum(case["chunk"])
+    q = torch.randn(T, Hq, D, generator=g).to(dtype)
+    key_sum = torch.randn(case["num_pages"], Hkv, D, generator=g) * 4
+    count = torch.randint(1, 17, (case["num_pages"],), generator=g, dtype=torch.int32)
+    return q, key_sum, count
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("Hq,Hkv,D", [(6, 2, 32), (4, 4, 16), (9, 3, 64)])
+@pytest.mark.parametrize("query_stride", [1, 2])
+def test_search_scores_equal_reference(seed, Hq, Hkv, D, query_stride):
+    P = 32
+    case = random_geometry(seed, P=P)
+    q, key_sum, count = queries_and_summaries(case, Hq, Hkv, D)
+    qb = case["qb"].on("cpu")
+    NKV = case["qb"].max_pages
+    for group_max in (False, True):
+        args = (q, qb, case["page_table"], key_sum, count, 0.125, Hkv, NKV)
+        got = flashprefill.block_scores(*args, group_max=group_max, query_stride=query_stride, page_size=P)
+        want = flashprefill_naive.block_scores(*args, group_max=group_max, query_stride=query_stride)
+        assert got.shape == want.shape
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("alpha", [0.05, 0.4, 0.9])
+def test_threshold_mask_equals_reference_up_to_ties(seed, alpha):
+    P, Hq, Hkv, D = 16, 6, 2, 32
+    case = random_geometry(seed, P=P)
+    q, key_sum, count = queries_and_summaries(case, Hq, Hkv, D)
+    qb = case["qb"].on("cpu")
+    NKV = case["qb"].max_pages
+    args = (q, qb, case["page_table"], key_sum, count, 0.2, Hkv, NKV, alpha)
+    m_k = flashprefill.threshold_mask(*args, page_size=P)
+    m_n = flashprefill_naive.threshold_mask(*args)
+    # a cell may differ only where some head of the group scores within rounding of its threshold
+    s = flashprefill_naive.block_scores(q, qb, case["page_table"], key_sum, count, 0.2, Hkv, NKV)
+    near = ((s - alpha * s.amax(-1, keepdim=True)).abs() < 1e-5).reshape(Hkv, Hq // Hkv, *s.shape[1:]).any(1)
+    assert not ((m_k != m_n) & ~near).any()
+    # only candidates: the pages before each q-block's window (none in a dense window)
+    cand = torch.arange(NKV)[None, :] < qb["cand"].long()[:, None]
+    assert not (m_k & ~cand[None]).any()
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("G", [1, 3])
+def test_union_equals_reference(seed, G):
+    case = random_geometry(seed)
+    qb = case["qb"]
+    d = qb.on("cpu")
+    mask = torch.rand(2 * G, qb.count, qb.max_pages, generator=case["generator"]) < 0.3
+    for sink, recent in ((0, 0), (2, 3)):
+        got = union.union_table(mask, 2, d, sink, recent)
+        want = union_naive.union_table(mask, 2, d, sink, recent)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    # the rule, directly: a window row holds what a head of its group chose for one of its q-blocks, the
+    # forced pages, nothing past its last page
+    table, _ = union_naive.union_table(mask, 2, d, 1, 1)
+    for w, (first, last, sparse, lo, hi) in enumerate(zip(qb.w_first, qb.w_last, qb.w_sparse, qb.w_qlo, qb.w_qhi)):
+        for g in range(2):
+            chosen = mask[g * G:(g + 1) * G, lo:hi].any(0).any(0)
+            j = torch.arange(qb.max_pages)
+            forced = (j <= last) & ((j < 1) | (j >= first - 1) | (not sparse))
+            assert torch.equal(table[g, w], (chosen & (j <= last)) | forced)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_indices_equal_reference(seed):
+    case = random_geometry(seed)
+    qb = case["qb"]
+    d = qb.on("cpu")
+    table = torch.rand(3, qb.windows, qb.max_pages, generator=case["generator"]) < 0.4
+    table &= torch.arange(qb.max_pages)[None, None, :] <= d["w_last"][None, :, None]
+    counts = table.sum(-1, dtype=torch.int32).reshape(-1)
+    kp, ki = indices.build_indices(table, counts, case["page_table"], d["w_req"])
+    np_, ni = indices_naive.build_indices(table, counts, case["page_table"], d["w_req"])
+    n = int(np_[-1])
+    assert torch.equal(kp, np_) and torch.equal(ki[:n], ni)
+    # row r = g * NW + w lists page_table[b, j] * H_kv + g for its pages j, ascending
+    r = 3 * qb.windows // 2
+    g, w = divmod(r, qb.windows)
+    pages = table[g, w].nonzero().flatten()
+    want = case["page_table"][qb.w_req[w], pages] * 3 + g
+    assert torch.equal(ni[np_[r]:np_[r + 1]], want.to(torch.int32))
+
+
+def write_stream(seed, P=16, H=2, D=32, pages=10):
+    """A request's tokens 0..E written in writes of random sizes (chunks, then decode steps)."""
+    g = torch.Generator().manual_seed(seed)
+    E = int(torch.randint(P, pages * P, (1,), generator=g))
+    page_ids = torch.randperm(pages, generator=g)
+    loc = torch.tensor([int(page_ids[t // P]) * P + t % P for t in range(E)])
+    k = torch.randn(E, H, D, generator=g)
+    v = torch.randn(E, H, D, generator=g)
+    cuts, t = [0], 0
+    while t < E:
+        t = min(E, t + int(torch.randint(1, 3 * P, (1,), generator=g)))
+        cuts.append(t)
+    return loc, k, v, cuts, (pages, H, P, D)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("impl", [kv_cache, kv_cache_naive])
+def test_store_kv_and_summaries_do_not_depend_on_how_writes_are_split(seed, impl):
+    loc, k, v, cuts, shape = write_stream(seed)
+    pages, H, P, D = shape
+    outs = []
+    for split in (cuts, [0, len(loc)]):
+        kp, vp = torch.zeros(shape), torch.zeros(shape)
+        ks, cnt = torch.zeros(pages, H, D), torch.zeros(pages, dtype=torch.int32)
+        for a, b in zip(split, split[1:]):
+            impl.store_kv(kp, vp, loc[a:b], k[a:b], v[a:b], ks, cnt)
+        outs.append((kp, vp, ks, cnt))
+    (kp1, vp1, ks1, c1), (kp2, vp2, ks2, c2) = outs
+    assert torch.equal(kp1, kp2) and torch.equal(vp1, vp2) and torch.equal(c1, c2)
+    assert torch.equal(ks1, ks2)  # bit for bit: a page's sum is always taken in offset order
+    # and the summaries are the pages' key sums
+    page = loc // P
+    for p in page.unique():
+        n = int((page == p).sum())
+        assert int(c1[p]) == n
+        torch.testing.assert_close(ks1[p], kp1[p, :, :n].sum(1), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_store_kv_kernel_equals_reference(seed):
+    loc, k, v, cuts, shape = write_stream(seed)
+    pages, H, P, D = shape
+    state = [(torch.zeros(shape), torch.zeros(shape), torch.zeros(pages, H, D), torch.zeros(pages, dtype=torch.int32))
+             for _ in range(2)]
+    for impl, (kp, vp, ks, cnt) in zip((kv_cache, kv_cache_naive), state):
+        for a, b in zip(cuts, cuts[1:]):
+            impl.store_kv(kp, vp, loc[a:b], k[a:b], v[a:b], ks, cnt)
+        impl.store_kv(kp, vp, loc[:0], k[:0], v[:0], ks, cnt)  # an empty write is a no-op
+    for x, y in zip(*state):
+        torch.testing.assert_close(x, y, rtol=1e-6, atol=1e-5)

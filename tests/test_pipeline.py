@@ -1,0 +1,239 @@
+"""The compact pipeline on the CPU: selection -> union -> paged indices -> execution, against the
+plain-torch ground truth, and the selection's independence from how a prompt is chunked."""
+
+
+import pytest
+import torch
+
+from sglang_compact.batch import ChunkBatch, cdiv
+from sglang_compact.compact import CompactAttention
+from sglang_compact.config import CompactConfig
+from sglang_compact.executors import ForwardShape, TorchExecutor, reference_attention
+from sglang_compact.selectors.base import forced_count, row_budget
+from sglang_compact.summaries import PageSummaries, store_kv
+
+P = 16
+WP = 4          # pages per union window: windows of 64 tokens
+
+
+class Context:
+    """Fixed K/V/Q for every position of a few requests, written into a shared pool page by page."""
+
+    def __init__(self, lengths, hq=6, hkv=2, d=32, seed=0, structured=True):
+        g = torch.Generator().manual_seed(seed)
+        self.lengths, self.hq, self.hkv, self.d = list(lengths), hq, hkv, d
+        n = [cdiv(E, P) for E in self.lengths]
+        perm = torch.randperm(sum(n) + 4, generator=g).to(torch.int32)
+        self.page_table = torch.zeros(len(n), max(n), dtype=torch.int32)
+        used = 0
+        for b, k in enumerate(n):
+            self.page_table[b, :k] = perm[used:used + k]
+            used += k
+        self.num_pages = sum(n) + 4
+        self.k = [torch.randn(E, hkv, d, generator=g) for E in self.lengths]
+        self.v = [torch.randn(E, hkv, d, generator=g) for E in self.lengths]
+        self.q = [torch.randn(E, hq, d, generator=g) for E in self.lengths]
+        if structured:  # a few heavy pages per request whose keys align with the queries, plus sinks
+            direction = torch.randn(hkv, d, generator=g)
+            direction = direction / direction.norm(dim=-1, keepdim=True) * d ** 0.5 * 1.5
+            for b, E in enumerate(self.lengths):
+                self.q[b] += direction.repeat_interleave(hq // hkv, 0)[None] * 0.7
+                heavy = torch.randperm(cdiv(E, P), generator=g)[:3]
+                for j in heavy.tolist():
+                    self.k[b][j * P:(j + 1) * P] += direction[None] * 0.8
+                self.k[b][:4] += direction[None] * 1.2
+        self.k_pool = torch.zeros(self.num_pages, hkv, P, d)
+        self.v_pool = torch.zeros(self.num_pages, hkv, P, d)
+        self.summaries = PageSummaries(1, self.num_pages, hkv, d, "cpu")
+
+    def slots(self, b, start, end):
+        pos = torch.arange(start, end)
+        return self.page_table[b, pos // P].long() * P + pos % P
+
+    def write(self, b, start, end):
+        store_kv(self.k_pool, self.v_pool, self.slots(b, start, end), self.k[b][start:end], self.v[b][start:end],
+                 self.summaries.layer(0))
+
+    def batch(self, reqs, sparse_ranges=None, window_pages=WP) -> ChunkBatch:
+        """reqs: [(request, prefix, chunk)]; writes the chunks' K/V (the prefixes must be written already)."""
+        for b, L, C in reqs:
+            self.write(b, L, L + C)
+        q = torch.cat([self.q[b][L:L + C] for b, L, C in reqs])
+        k = torch.cat([self.k[b][L:L + C] for b, L, C in reqs])
+        v = torch.cat([self.v[b][L:L + C] for b, L, C in reqs])
+        pt = self.page_table[[b for b, _, _ in reqs]]
+        return ChunkBatch.build(q, self.k_pool, self.v_pool, pt, [L for _, L, _ in reqs], [C for _, _, C in reqs],
+                                sparse_ranges=sparse_ranges, k_chunk=k, v_chunk=v, window_pages=window_pages)
+
+
+def make_batch(seed, prefix=(100, 0, 333, 48), chunk=(140, 20, 117, 64), sparse_ranges=None, window_pages=WP, **kw):
+    ctx = Context([L + C for L, C in zip(prefix, chunk)], seed=seed, **kw)
+    for b, L in enumerate(prefix):
+        ctx.write(b, 0, L)
+    return ctx.batch([(b, L, C) for b, (L, C) in enumerate(zip(prefix, chunk))], sparse_ranges, window_pages)
+
+
+def dense_float64(b: ChunkBatch) -> torch.Tensor:
+    """Every query against its whole context, causally, in float64 (independent of every helper)."""
+    out = torch.empty(b.q.shape, dtype=torch.float64)
+    G, start = b.group_size, 0
+    for r, (L, C) in enumerate(zip(b.prefix_lens_cpu, b.chunk_lens_cpu)):
+        E = L + C
+        pages = b.page_table[r, :cdiv(E, P)].long()
+        k = b.k_pool[pages].permute(1, 0, 2, 3).reshape(b.num_kv_heads, -1, b.head_dim)[:, :E].double()
+        v = b.v_pool[pages].permute(1, 0, 2, 3).reshape(b.num_kv_heads, -1, b.head_dim)[:, :E].double()
+        q = b.q[start:start + C].transpose(0, 1).double()
+        s = q @ k.repeat_interleave(G, 0).transpose(1, 2) * b.sm_scale
+        causal = torch.arange(E)[None, :] <= (L + torch.arange(C))[:, None]
+        s = s.masked_fill(~causal, float("-inf"))
+        out[start:start + C] = (torch.softmax(s, -1) @ v.repeat_interleave(G, 0)).transpose(0, 1)
+        start += C
+    return out
+
+
+def run(b, cfg):
+    ca = CompactAttention(cfg)
+    sel = ca.select_pages(b, with_stats=True)
+    ex = TorchExecutor()
+    ex.plan_forward(ForwardShape.of(b, ca.row_pages(b)), b.page_table)
+    return ca, sel, ex.run(b, sel.indices)
+
+
+def cfg(selector, **kw):
+    params = kw.pop("params", {})
+    return CompactConfig(block_size=P, selector=selector, selector_params=params, sink_blocks=1, recent_blocks=2, **kw)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_dense_execution_and_the_full_table_equal_float64_dense(seed):
+    b = make_batch(seed, sparse_ranges=[(0, 0)] * 4)
+    want = dense_float64(b)
+    torch.testing.assert_close(reference_attention(b, b.full_table()).double(), want, rtol=1e-4, atol=1e-5)
+    ex = TorchExecutor()
+    ex.plan_forward(ForwardShape.of(b), b.page_table)
+    torch.testing.assert_close(ex.run(b, None).double(), want, rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError, match="paged indices"):
+        sb = make_batch(seed)
+        ex.plan_forward(ForwardShape.of(sb), sb.page_table)
+        ex.run(sb, None)
+
+
+@pytest.mark.parametrize("selector", ["flashprefill", "budget", "dense", "oracle", "xattention"])
+@pytest.mark.parametrize("seed", range(3))
+def test_rows_execution_equals_the_reference_of_its_table(selector, seed):
+    ranges = [(0, 100), (2, 100), (3, 7), (0, 1)]   # in windows of 64 tokens
+    b = make_batch(seed, sparse_ranges=ranges)
+    ca, sel, out = run(b, cfg(selector))
+    torch.testing.assert_close(out, reference_attention(b, sel.table), rtol=1e-5, atol=1e-5)
+    qb = b.qblocks
+    assert qb.windows < qb.count and any(qb.w_sparse) and not all(qb.w_sparse)
+    for w, (first, last, s) in enumerate(zip(qb.w_first, qb.w_last, qb.w_sparse)):
+        row = sel.table[:, w]
+        assert not row[:, last + 1:].any() and row[:, first:last + 1].all() and row[:, 0].all()
+        assert row[:, max(first - 2, 0):first].all()
+        if not s:
+            assert row[:, :last + 1].all()
+    assert torch.equal(sel.counts, sel.table.sum(-1, dtype=torch.int32).reshape(-1))
+    rows = ca.row_pages(b)
+    if selector in ("budget", "dense"):
+        assert rows == sel.counts.tolist()
+    else:
+        assert rows is None
+    assert 0 < float(sel.density) <= 1
+
+
+def test_full_density_rows_equal_dense():
+    b = make_batch(5)
+    _, sel, out = run(b, cfg("budget", params={"density": 1.0}))
+    assert torch.equal(sel.table, b.full_table())
+    torch.testing.assert_close(out.double(), dense_float64(b), rtol=1e-4, atol=1e-5)
+
+
+def test_budget_rows_read_their_budget_and_the_density_cap_bounds_rows():
+    b = make_batch(1, prefix=(700, 300), chunk=(164, 50))
+    _, sel, _ = run(b, cfg("budget", params={"density": 0.25}))
+    qb = b.qblocks
+    for w, (first, last) in enumerate(zip(qb.w_first, qb.w_last)):
+        assert sel.table[:, w].sum(-1).tolist() == [row_budget(last + 1, 0.25, forced_count(first, last, 1, 2))] * 2
+    c = cfg("flashprefill", params={"alpha": 0.0}, density_cap=0.3)
+    ca, sel, out = run(b, c)
+    for w, (first, last) in enumerate(zip(qb.w_first, qb.w_last)):
+        assert (sel.table[:, w].sum(-1) <= row_budget(last + 1, 0.3, forced_count(first, last, 1, 2))).all()
+    assert sel.coverage is not None and float(sel.coverage) < 1
+    torch.testing.assert_close(out, reference_attention(b, sel.table), rtol=1e-5, atol=1e-5)
+
+
+def test_flashprefill_keeps_the_pages_a_head_scores_above_alpha_of_its_best():
+    """Against a direct loop: per q-block and head, softmax over mean keys of the pages before its window,
+    max over the q-block's queries, threshold; OR over the window's q-blocks and the group's heads."""
+    b = make_batch(2, prefix=(300, 77), chunk=(140, 133))
+    alpha = 0.3
+    _, sel, _ = run(b, cfg("flashprefill", params={"alpha": alpha}))
+    G, qb = b.group_size, b.qblocks
+    for w, (r, first) in enumerate(zip(qb.w_req, qb.w_first)):
+        if first == 0:
+            continue
+        pages = b.page_table[r, :first].long()
+        kbar = torch.stack([b.k_pool[p, :, :P].mean(1) for p in pages.tolist()], 1)   # [H_kv, first, D] (full pages)
+        for g in range(b.num_kv_heads):
+            keep = torch.zeros(first, dtype=torch.bool)
+            for i in range(qb.w_qlo[w], qb.w_qhi[w]):
+                st, n = qb.start[i], qb.length[i]
+                for h in range(g * G, (g + 1) * G):
+                    s = torch.softmax(b.q[st:st + n, h] @ kbar[g].T * b.sm_scale, -1).amax(0)
+                    keep |= s >= alpha * s.max()
+            forced = torch.tensor([j < 1 or j >= first - 2 for j in range(first)])
+            assert torch.equal(sel.table[g, w, :first], keep | forced), (w, g)
+
+
+CHUNKINGS = {   # window-aligned, as the scheduler cuts them (srt/alignment.py); windows of 64 tokens
+    "one pass": [(0, 420)],
+    "chunks of 128": [(0, 128), (128, 128), (256, 128), (384, 36)],
+    "chunks of 64": [(s, min(64, 420 - s)) for s in range(0, 420, 64)],
+    "cache hit at 192, then 128 + rest": [(192, 128), (320, 100)],   # the first 192 were written by another request
+}
+
+
+@pytest.mark.parametrize("selector,params", [("flashprefill", {"alpha": 0.3}), ("budget", {"density": 0.3}),
+                                             ("flashprefill", {"alpha": 0.1, "query_stride": 2})])
+@pytest.mark.parametrize("use_kernel", [False, True])
+def test_a_q_blocks_pages_and_outputs_do_not_depend_on_the_chunking(selector, params, use_kernel, monkeypatch):
+    """The same prompt prefilled in different page-aligned chunkings (SGLang cuts chunks at pages; a cache
+    hit is whole pages), and next to another request in a batch, selects
+    the same pages for every q-block (bit for bit), and its queries the same outputs (to float32 rounding:
+    the kernels' shapes follow the pass)."""
+    if use_kernel:  # the Triton kernels (interpreted) instead of the torch twins
+        monkeypatch.setattr("sglang_compact.kernels.use_triton", lambda x, override=None: True)
+        for mod in ("selectors.base", "selectors.flashprefill", "union", "indices", "summaries"):
+            monkeypatch.setattr(f"sglang_compact.{mod}.use_triton", lambda x, override=None: True)
+    E = 420
+    results = {}
+    for name, passes in CHUNKINGS.items():
+        ctx = Context([E, 90], seed=7)
+        ctx.write(0, 0, passes[0][0])                     # a cache hit: written before
+        tables, outs = {}, {}
+        for k, (start, n) in enumerate(passes):
+            reqs = [(0, start, n)] + ([(1, 0, 90)] if k == 1 else [])   # mixed into a batch once
+            ranges = [(1, 1 << 40), (0, 0)][:len(reqs)]
+            b = ctx.batch(reqs, ranges)
+            ca = CompactAttention(cfg(selector, params=params))
+            sel = ca.select_pages(b, summaries=ctx.summaries.layer(0))
+            ex = TorchExecutor()
+            ex.plan_forward(ForwardShape.of(b, ca.row_pages(b)), b.page_table)
+            out = ex.run(b, sel.indices)
+            qb = b.qblocks
+            for w, (r, first, last, st, ln) in enumerate(zip(qb.w_req, qb.w_first, qb.w_last, qb.w_start,
+                                                              qb.w_length)):
+                if r == 0:
+                    tables[first] = sel.table[:, w, :last + 1].clone()
+                    outs[first] = out[st:st + ln].clone()
+        results[name] = (tables, outs)
+    base_tables, base_outs = results["one pass"]
+    for name, (tables, outs) in results.items():
+        for a in tables:
+            assert torch.equal(tables[a], base_tables[a]), (name, a)
+            torch.testing.assert_close(outs[a], base_outs[a], rtol=1e-5, atol=1e-6)
+    read = sum(int(t.sum()) for t in base_tables.values())
+    assert read < sum(t.numel() for t in base_tables.values())  # something was actually skipped
+
+

@@ -1,0 +1,141 @@
+"""Token-level reproducibility across cache states, on a real CPU server (page 16, chunks of 128).
+
+20 prompts of 600-700 tokens share leading slices of one random document (0 to 600 tokens, page-aligned or
+not) and continue with their own random ids. Each is answered greedily (`return_logprob`, top-2 logprobs) in
+three cache states:
+
+* cold: the cache flushed before each prompt;
+* partial hit: the cache flushed once, then the prompts in order of their shared slice, so each one finds
+  the previous one's slice cached (a hit of a different length each time, cut at a page boundary of the
+  prompt's own length or not);
+* mixed batch: the cache flushed once, then all prompts sent concurrently (4 at a time, shuffled): their
+  chunks are batched with other requests' chunks and decode steps.
+
+For the default selector (`--compact-min-context 256 --compact-dense-tail 64`) and for `--compact-selector
+dense`, count the (prompt, state) runs whose tokens differ from the cold run and, among those, the near-tie
+flips: the first divergence is where both runs' top-2 logprob gap is under `NEAR_TIE`. Every difference must be
+a near-tie flip, and the default selector (whose selection depends only on absolute positions) must flip no
+more often than the dense one on the same prompts.
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.server
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO_ROOT / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from serving import NEAR_TIE, SGLangServer, first_divergence, greedy_with_top2  # noqa: E402
+
+PAGE, CHUNK, NEW = 16, 128, 4
+#: shared document slice of each prompt: page-aligned (multiples of 16) or not
+SHARED = (0, 16, 37, 64, 100, 128, 150, 192, 250, 256, 300, 333, 384, 400, 448, 470, 512, 530, 576, 600)
+MIN_CONTEXT, DENSE_TAIL = 256, 64
+SELECTORS = {"default": ["--compact-min-context", str(MIN_CONTEXT), "--compact-dense-tail", str(DENSE_TAIL)],
+             "dense": ["--compact-selector", "dense"]}
+
+
+def make_prompts(seed=7):
+    rng = random.Random(seed)
+    doc = [rng.randrange(200, 40000) for _ in range(max(SHARED))]
+    out = []
+    for s in SHARED:
+        n = rng.randint(max(600, s + 64), 700)
+        out.append(doc[:s] + [rng.randrange(200, 40000) for _ in range(n - s)])
+    return out
+
+
+PROMPTS = make_prompts()
+
+
+
+def cut_hit(hit: int, prompt_len: int) -> int:
+    """The cache hit the default selector's server keeps (windows of CHUNK tokens, the sparse ones from
+    MIN_CONTEXT up to the dense tail)."""
+    k, hi = hit // CHUNK, (prompt_len - DENSE_TAIL) // CHUNK
+    lo = -(-MIN_CONTEXT // CHUNK)
+    return k * CHUNK if hit % CHUNK and k < hi and lo < hi else hit
+
+
+def greedy(srv, ids):
+    return greedy_with_top2(srv, ids, NEW)
+
+
+def cache_states(srv) -> dict[str, list]:
+    cold = []
+    for p in PROMPTS:
+        srv.flush_cache()
+        cold.append(greedy(srv, p))
+    srv.flush_cache()
+    partial = [greedy(srv, p) for p in PROMPTS]          # in order of SHARED: each finds its predecessor's slice
+    srv.flush_cache()
+    order = list(range(len(PROMPTS)))
+    random.Random(3).shuffle(order)
+    with ThreadPoolExecutor(4) as pool:
+        outs = dict(zip(order, pool.map(lambda i: greedy(srv, PROMPTS[i]), order)))
+    mixed = [outs[i] for i in range(len(PROMPTS))]
+    return {"cold": cold, "partial": partial, "mixed": mixed}
+
+
+def compare(cold, other) -> tuple[list[int], list[int], list[str]]:
+    """(prompts that differ, near-tie flips among them, descriptions of the differences)."""
+    differ, flips, notes = [], [], []
+    for i, (a, b) in enumerate(zip(cold, other)):
+        d = first_divergence(a, b)
+        if d is None:
+            continue
+        k, wk, gk, gw, gg = d
+        differ.append(i)
+        if max(gw, gg) < NEAR_TIE:
+            flips.append(i)
+        notes.append(f"prompt {i}: token {k} ({wk} vs {gk}), top-2 gaps {gw:.2e} / {gg:.2e}")
+    return differ, flips, notes
+
+
+def test_tokens_do_not_depend_on_the_cache_state(model_dir):
+    t0 = time.monotonic()
+    results = {}
+    for name, args in SELECTORS.items():
+        with SGLangServer(model_dir, module="sglang_compact.launch_server", page_size=PAGE,
+                          chunked_prefill_size=CHUNK, extra_args=["--attention-backend", "compact"] + args) as srv:
+            results[name] = cache_states(srv)
+    report, counts = [], {}
+    for name, states in results.items():
+        assert all(len(out) == NEW for state in states.values() for out, _ in state)
+        assert all(m["cached_tokens"] == 0 for _, m in states["cold"])
+        hits = [m["cached_tokens"] for _, m in states["partial"]]
+        # each prompt finds the page-aligned part of its predecessor's shared slice; the default selector's
+        # server cuts a hit that ends mid-window back to the window's start when a sparse window follows it
+        # (sglang_compact/srt/alignment.py); the dense selector reads every page, so its hits are never cut
+        most = [0] + [s // PAGE * PAGE for s in SHARED[:-1]]
+        if name == "dense":
+            assert hits == most, hits
+        else:
+            expected = [cut_hit(h, len(p)) for h, p in zip(most, PROMPTS)]
+            assert hits == expected, (hits, expected)
+        assert len(set(hits)) >= 6 and sum(h > 0 for h in hits) >= 14, (name, hits)
+        states["hits"] = hits
+        differ, flips = 0, 0
+        for state in ("partial", "mixed"):  # (the mixed batch also finds slices cached by the requests before)
+            d, f, notes = compare(states["cold"], states[state])
+            differ, flips = differ + len(d), flips + len(f)
+            report += [f"{name} {state}: {note}" for note in notes]
+        counts[name] = (differ, flips)
+    runs = 2 * len(PROMPTS)
+    print(f"\nreproducibility ({time.monotonic() - t0:.0f}s, {len(PROMPTS)} prompts x 2 cache states vs cold): "
+          + "; ".join(f"{n}: {d} of {runs} runs differ, {f} near-tie flips" for n, (d, f) in counts.items()))
+    print("  partial hits: " + "; ".join(f"{n} {results[n]['hits']}" for n in results))
+    for line in report:
+        print("  " + line)
+    for name, (differ, flips) in counts.items():
+        assert differ == flips, f"{name}: differences that are not near-tie flips:\n" + "\n".join(report)
+    assert counts["default"][1] <= counts["dense"][1], counts
