@@ -407,6 +407,16 @@ class SGLangServer:
             seconds=seconds,
         )
 
-    def flush_cache(self) -> None:
-        with urllib.request.urlopen(self.base_url + "/flush_cache", timeout=30) as r:
-            r.read()
+    def flush_cache(self, timeout: float = 30.0) -> None:
+        """Empty the radix cache. SGLang refuses (400) while a request is still finishing, which can be just after
+        its response arrived: retry until it accepts, for `timeout` seconds."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                with urllib.request.urlopen(self.base_url + "/flush_cache", timeout=30) as r:
+                    r.read()
+                return
+            except urllib.error.HTTPError as e:
+                if e.code != 400 or time.monotonic() > deadline:
+                    raise ServerError(f"/flush_cache answered {e.code}: {e.read()[:200]!r}") from e
+                time.sleep(0.25)

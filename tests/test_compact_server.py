@@ -79,16 +79,17 @@ def test_flashprefill_answer_does_not_depend_on_the_cache(model_dir):
     with server(model_dir, args) as srv:
         first = greedy(srv, ids)
         again = greedy(srv, ids)                      # served from the radix cache: 1200 tokens cached
-        flush_cache(srv)
+        srv.flush_cache()
         srv.generate(input_ids=ids[:37 * PAGE + 3], max_new_tokens=1)   # cache a prefix of an unrelated length
         after_hit = greedy(srv, ids)
         log = srv.log_path.read_text()
         metrics = srv.get_text("/metrics")
     assert len(first[0]) == NEW
-    # windows of 128 tokens (the chunk size): the 1200-token hit ends in window 9, in the dense tail (the last
-    # 64 of 1205 tokens: windows from (1205 - 64) // 128 = 8 on), so it is used whole; the 592-token hit ends
-    # inside window 4, which reads a selection: it is cut back to the window's start, 512
-    assert int(again[1]["cached_tokens"]) == 1200 and int(after_hit[1]["cached_tokens"]) == 512
+    # windows of 128 tokens (the chunk size), sparse from 256 tokens of context up to the dense tail (the last 64 of
+    # 1205 tokens: windows from (1205 - 64) // 128 = 8 on). The cache keeps and reuses only KV computed as a cold
+    # prefill computes it (sglang_compact/srt/alignment.py): the first 8 * 128 = 1024 tokens of this prompt, and the
+    # first (595 - 64) // 128 * 128 = 512 of the 595-token one
+    assert int(again[1]["cached_tokens"]) == 1024 and int(after_hit[1]["cached_tokens"]) == 512
     assert_same_tokens([first, first], [again, after_hit], "cold vs cached")
     assert "selector='flashprefill'" in log and "dense_tail 64" in log
     assert metric_value(metrics, "sglang:compact_qblocks_total", 'path="sparse"') > 0
@@ -112,23 +113,6 @@ def test_a_selector_from_a_test_module_is_served(model_dir):
     # every other candidate page, plus sink, recent and own pages: a density around half
     assert 0.4 < metric_value(metrics, "sglang:compact_density_forward_sum") / \
         metric_value(metrics, "sglang:compact_density_forward_count") < 0.9
-
-
-def flush_cache(srv, timeout: float = 30.0) -> None:
-    """SGLang refuses to flush while a request is still finishing: retry until it accepts."""
-    import time
-
-    from harness.server import ServerError
-
-    deadline = time.time() + timeout
-    while True:
-        try:
-            srv.post("/flush_cache", {})
-            return
-        except ServerError:
-            if time.time() > deadline:
-                raise
-            time.sleep(0.5)
 
 
 def metric_value(text: str, name: str, label: str = "") -> float:

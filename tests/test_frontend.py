@@ -1,11 +1,13 @@
 """SGLang's frontends against ONE `compact` server on the CPU (SmolLM2-135M-Instruct, page 16, chunks of 128,
-selector flashprefill from a 256-token prefix, so the ~1100-token document is prefilled mostly sparse):
+selector flashprefill from a 256-token prefix with a 64-token dense tail, so the ~1100-token document is prefilled
+mostly sparse):
 
 (a) an SGLang frontend program (`@sgl.function`, a long shared document, two `sgl.gen` turns) run with
     `run_batch` over three questions through `sgl.RuntimeEndpoint` at temperature 0 (tests/frontend_client.py,
     run in a child process with the CPU shim: `import sglang` needs it on a machine without CUDA): every
-    answer is non-empty, each second turn is served from the radix cache (the first turn's whole context
-    cached), and so is the shared document for the programs after the first;
+    answer is non-empty, each second turn is served from the radix cache (the first turn's context, but for its
+    dense tail and last window: sglang_compact/srt/alignment.py), and so is the shared document for the programs
+    after the first;
 (b) the OpenAI client on `/v1`: a chat completion with the document as a long system message, temperature 0,
     max_tokens 16: a non-empty reply and usage.prompt_tokens > 500.
 """
@@ -31,7 +33,10 @@ from frontend_client import QUESTIONS  # noqa: E402  (no sglang import at module
 from serving import SERVER_ENV, SGLangServer  # noqa: E402
 
 MODEL_DIR = REPO_ROOT / "models" / "smollm2-135m-instruct"
-ARGS = ["--attention-backend", "compact", "--compact-selector", "flashprefill", "--compact-min-prefix-len", "256"]
+ARGS = ["--attention-backend", "compact", "--compact-selector", "flashprefill", "--compact-min-context", "256",
+        "--compact-dense-tail", "64"]
+#: what a cache hit leaves to recompute at most: the cached prompt's dense tail and one window (the chunk)
+RECOMPUTED = 64 + 128
 
 
 @pytest.fixture(scope="module")
@@ -65,8 +70,9 @@ def test_frontend_program_run_batch(frontend_result, server):
             assert p[name + "_meta"]["completion_tokens"] > 0
         first, second = p["answer_meta"], p["short_meta"]
         assert first["prompt_tokens"] > 1000  # the document went through chunked (compact) prefill
-        # the second turn re-sends the first turn's context: served from the radix cache
-        assert second["cached_tokens"] >= first["prompt_tokens"] - 16, p
+        # the second turn re-sends the first turn's context: served from the radix cache, but for the first
+        # prompt's dense tail and last window (computed dense or from part of a window's queries)
+        assert second["cached_tokens"] >= first["prompt_tokens"] - RECOMPUTED, p
     # the programs share the document: after the first one prefilled it, the others hit the cache
     # (with chunked prefill the programs are admitted one chunk budget at a time)
     shared = sorted(p["answer_meta"]["cached_tokens"] / p["answer_meta"]["prompt_tokens"] for p in progs)

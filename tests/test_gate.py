@@ -87,3 +87,18 @@ def test_shipped_model_gates_the_small_model_off_at_short_contexts(name):
     m = load_cost_models()[name]
     be = m.break_even(SHAPE_05B, 1024, 0.5, "fa3", 32768)
     assert be is None or be >= 8192
+
+
+def test_the_exact_prefix_ends_at_the_last_sparse_window():
+    """What the radix cache may hold and hand out of a prompt (sglang_compact/srt/alignment.py): its KV up to its
+    last sparse window is what any longer prompt computes cold; later windows were computed dense (the dense tail)
+    or from part of a window's queries."""
+    from sglang_compact.srt.alignment import exact_prefix_len
+
+    gate = Gate(CompactConfig(block_size=64, dense_tail=1000), GateDecision(4096, "flag", ""))
+    assert exact_prefix_len(gate, 20000) == 18 * 1024      # windows 4..17 sparse
+    assert exact_prefix_len(gate, 5000) == 4 * 1024        # none sparse: up to the gate (dense below it)
+    assert exact_prefix_len(gate, 1000) == 4 * 1024        # shorter than that: all of it
+    assert exact_prefix_len(None, 20000) is None           # no compact backend in this process
+    never = Gate(CompactConfig(block_size=64), GateDecision(NEVER, "selector dense", ""))
+    assert exact_prefix_len(never, 20000) is None          # never sparse: every page read, all of it reusable

@@ -58,12 +58,34 @@ PROMPTS = make_prompts()
 
 
 
-def cut_hit(hit: int, prompt_len: int) -> int:
-    """The cache hit the default selector's server keeps (windows of CHUNK tokens, the sparse ones from
-    MIN_CONTEXT up to the dense tail)."""
-    k, hi = hit // CHUNK, (prompt_len - DENSE_TAIL) // CHUNK
-    lo = -(-MIN_CONTEXT // CHUNK)
-    return k * CHUNK if hit % CHUNK and k < hi and lo < hi else hit
+LO = -(-MIN_CONTEXT // CHUNK)   # the first sparse window (windows of CHUNK tokens)
+
+
+def exact_len(prompt_len: int) -> int:
+    """Tokens of a prompt the default selector's server may cache and reuse (sglang_compact/srt/alignment.py): up
+    to its last sparse window (sparse from MIN_CONTEXT to the dense tail)."""
+    return max(LO, (prompt_len - DENSE_TAIL) // CHUNK) * CHUNK
+
+
+def shared_pages(a, b, limit: int) -> int:
+    n = next((i for i, (x, y) in enumerate(zip(a[:limit], b[:limit])) if x != y), min(limit, len(a), len(b)))
+    return n // PAGE * PAGE
+
+
+def expected_hits(prompts) -> list[int]:
+    """The default selector's cache hits when `prompts` are sent one after another to an empty cache, modelling
+    its radix cache as the prompt prefixes it was given: a hit is cut to the prompt's exact part, back to a window
+    start when the prompt has a sparse window; a prompt enters the cache up to its exact part, and only up to a
+    window start when the cache already held part of a sparse window there."""
+    cached, hits = [], []
+    for p in prompts:
+        exact = exact_len(len(p))
+        has_sparse = (len(p) - DENSE_TAIL) // CHUNK > LO
+        keep = min(max((shared_pages(p, c, len(c)) for c in cached), default=0), exact)
+        hits.append(keep // CHUNK * CHUNK if has_sparse else keep)
+        held = max((shared_pages(p, c, min(len(c), exact)) for c in cached), default=0)
+        cached.append(p[:held // CHUNK * CHUNK if held % CHUNK and held > LO * CHUNK else exact])
+    return hits
 
 
 def greedy(srv, ids):
@@ -114,15 +136,14 @@ def test_tokens_do_not_depend_on_the_cache_state(model_dir):
         assert all(m["cached_tokens"] == 0 for _, m in states["cold"])
         hits = [m["cached_tokens"] for _, m in states["partial"]]
         # each prompt finds the page-aligned part of its predecessor's shared slice; the default selector's
-        # server cuts a hit that ends mid-window back to the window's start when a sparse window follows it
-        # (sglang_compact/srt/alignment.py); the dense selector reads every page, so its hits are never cut
+        # server caches and reuses only KV computed as a cold prefill computes it (`expected_hits`); the dense
+        # selector reads every page, so its hits are never cut
         most = [0] + [s // PAGE * PAGE for s in SHARED[:-1]]
         if name == "dense":
             assert hits == most, hits
         else:
-            expected = [cut_hit(h, len(p)) for h, p in zip(most, PROMPTS)]
-            assert hits == expected, (hits, expected)
-        assert len(set(hits)) >= 6 and sum(h > 0 for h in hits) >= 14, (name, hits)
+            assert hits == expected_hits(PROMPTS), (hits, expected_hits(PROMPTS))
+        assert len(set(hits)) >= 3 and sum(h > 0 for h in hits) >= 14, (name, hits)
         states["hits"] = hits
         differ, flips = 0, 0
         for state in ("partial", "mixed"):  # (the mixed batch also finds slices cached by the requests before)

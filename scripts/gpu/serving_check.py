@@ -82,6 +82,7 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=8)
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--skip", default="", help="comma list of steps to skip: dense,long,concurrent,tight")
+    ap.add_argument("--long-chunks", default="1024,8192", help="chunk sizes of the 128K step")
     ap.add_argument("--tight-fraction", type=float, default=0.93,
                     help="--mem-fraction-static of the tight-memory step's servers")
     ap.add_argument("--tight-prompt", type=int, default=32768, help="prompt length of the tight-memory step")
@@ -134,7 +135,7 @@ def main() -> None:
         save()
 
     if "long" not in skip:
-        for chunk in (1024, 8192):
+        for chunk in [int(c) for c in a.long_chunks.split(",")]:
             srv = start_server("sglang_compact.launch_server", model, common + [
                 "--chunked-prefill-size", str(chunk), "--attention-backend", "compact",
                 "--compact-selector", "flashprefill", "--context-length", "131072"], out / f"compact_long_{chunk}.log")

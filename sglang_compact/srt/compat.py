@@ -42,6 +42,10 @@ FORWARD_BATCH_INIT = "sglang.srt.model_executor.forward_batch_info.ForwardBatch.
 SCHEDULER_ALIGNMENT = "sglang.srt.managers.scheduler.Scheduler.init_deterministic_inference_config"
 #: a request's radix-cache match for its next prefill
 REQUEST_CACHE_MATCH = "sglang.srt.managers.schedule_batch.Req.init_next_round_input"
+#: the radix cache's insertion of a finished / a chunked request's KV, and the page alignment of its key
+CACHE_FINISHED = "sglang.srt.mem_cache.radix_cache.RadixCache.cache_finished_req"
+CACHE_UNFINISHED = "sglang.srt.mem_cache.radix_cache.RadixCache.cache_unfinished_req"
+CACHE_KEY_ALIGN = "sglang.srt.mem_cache.radix_cache.RadixKey.page_aligned"
 #: bytes per token of the KV pool across layers (SGLang sizes the pool from the free memory with it)
 POOL_CELL_SIZE = "sglang.srt.model_executor.pool_configurator.DefaultPoolConfigurator._compute_cell_size"
 
@@ -108,6 +112,21 @@ def set_truncation_align_size(scheduler, tokens: int) -> None:
 
 def request_matched_len(req) -> int:
     return len(req.prefix_indices)
+
+
+def request_origin_len(req) -> int:
+    """The request's own prompt tokens (without the output of a retracted request)."""
+    return len(req.origin_input_ids)
+
+
+def cached_prefix_len(cache, req, tokens: int) -> int:
+    """How many of the request's first `tokens` prompt tokens the radix cache holds now (page-aligned)."""
+    from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+
+    # the token container SGLang keys its tree with (an array): the fill ids' first tokens are the prompt's
+    key = RadixKey(req.full_untruncated_fill_ids[:tokens], req.extra_key, is_bigram=getattr(cache, "is_eagle", False))
+    return len(cache.match_prefix(MatchPrefixParams(key=key)).device_indices)
 
 
 def truncate_request_prefix(req, tokens: int) -> None:

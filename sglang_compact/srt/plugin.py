@@ -17,7 +17,7 @@ import os
 import sys
 
 from sglang_compact.srt import compat
-from sglang_compact.srt.alignment import align_cache_hit, align_chunk_ends
+from sglang_compact.srt.alignment import align_cache_hit, align_chunk_ends, cap_cache_key, limit_cached_prefix
 from sglang_compact.srt.memory import add_summaries_to_cell_size
 from sglang_compact.srt.prompt_notes import note_prompt_lengths
 from sglang_compact.srt.request_checks import hooks as request_check_hooks
@@ -51,6 +51,10 @@ def register() -> None:
     compat.register_attention_backend(BACKEND_NAME, create_compact_backend)
     compat.register_hook(compat.FORWARD_BATCH_INIT, note_prompt_lengths, "AFTER")
     compat.register_hook(compat.POOL_CELL_SIZE, add_summaries_to_cell_size, "AFTER")
-    for target, hook, kind in request_check_hooks(): compat.register_hook(target, hook, kind)  # any backend
+    for target, hook, kind in request_check_hooks():  # any backend
+        compat.register_hook(target, hook, kind)
     compat.register_hook(compat.SCHEDULER_ALIGNMENT, align_chunk_ends, "AFTER")
     compat.register_hook(compat.REQUEST_CACHE_MATCH, align_cache_hit, "AFTER")
+    compat.register_hook(compat.CACHE_FINISHED, limit_cached_prefix, "AROUND")
+    compat.register_hook(compat.CACHE_UNFINISHED, limit_cached_prefix, "AROUND")
+    compat.register_hook(compat.CACHE_KEY_ALIGN, cap_cache_key, "AFTER")
