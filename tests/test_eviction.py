@@ -1,11 +1,11 @@
 """Radix-cache eviction, page reuse and client aborts on a real CPU server with a small KV pool.
 
-The pool (`--max-total-tokens 2496`: 156 pages of 16 tokens, chunks of 128) holds about three of the ~0.8K-token
+The pool (`--max-total-tokens 1536`: 96 pages of 16 tokens, chunks of 128) holds about three of the ~0.5K-token
 prompts. The run, the same on every server:
 
 1. three distinct prompts P1-P3, one after the other: they fit in the pool, so each is served on pages never
    used before (what a fresh server does);
-2. pressure: two 2K-token prompts whose client closes the connection mid-prefill (one plain request, one
+2. pressure: two 1.4K-token prompts whose client closes the connection mid-prefill (one plain request, one
    streamed) around another distinct prompt: the radix cache evicts P1-P3 (or part of them) and their pages
    are reused;
 3. P1-P3 again, concurrently (one mixed batch), recomputed on reused pages where they were evicted.
@@ -39,10 +39,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from serving import NEAR_TIE, ServerError, SGLangServer, assert_same_tokens, greedy_with_top2  # noqa: E402
 
-PAGE, CHUNK, POOL, NEW = 16, 128, 2496, 8
-CHECKED = (780, 805, 830)         # P1-P3: with their outputs, 153 of the pool's 156 pages
-PRESSURE = (800,)
-ABORTED = (2000, 2000)            # 15 s of prefill each here, or more: the client leaves after 1 s, and SGLang
+PAGE, CHUNK, POOL, NEW = 16, 128, 1536, 8
+CHECKED = (460, 480, 500)         # P1-P3: with their outputs, 93 of the pool's 96 pages
+PRESSURE = (480,)
+ABORTED = (1400, 1400)            # 10 s of prefill each here, or more: the client leaves after 1 s, and SGLang
 #                                   notices a plain request's client is gone within 4 s
 DEFAULT_ARGS = ["--compact-min-context", "256", "--compact-dense-tail", "64"]
 #: the log line SGLang writes for a client that went away (expected once per aborted request, at most)

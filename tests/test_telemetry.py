@@ -151,13 +151,14 @@ def test_metrics_endpoint_of_a_compact_server():
             samples[key] = samples.get(key, 0) - value
     assert ("sglang:num_running_reqs", ()) in samples  # SGLang's own scheduler series are there too
     q = {p: samples.get(("sglang:compact_qblocks_total", (("path", p),)), 0) for p in PATHS}
-    # pages 0-15 (context < 256) dense; the tail (the last 100 of 800 tokens: pages 43-49) dense, as noted by
-    # the plugin's ForwardBatch hook; pages 16-42 sparse
-    assert q == {"sparse": 27, "dense_context": 16, "dense_tail": 7, "dense": 0}, q
-    assert samples[("sglang:compact_tokens_total", ())] == 27 * 16
+    # union windows of 128 tokens (the chunk): windows 0-1 (context < 256: pages 0-15) dense; the windows holding
+    # the tail (the last 100 of 800 tokens, as noted by the plugin's ForwardBatch hook: windows from
+    # (800 - 100) // 128 = 5 on, pages 40-49) dense; windows 2-4 (pages 16-39) sparse
+    assert q == {"sparse": 24, "dense_context": 16, "dense_tail": 10, "dense": 0}, q
+    assert samples[("sglang:compact_tokens_total", ())] == 24 * 16
     assert samples[("sglang:compact_gate_min_context", ())] == 256
     passes = samples[("sglang:compact_forward_passes_total", ())]
-    assert passes == 4  # the chunks at 256, 384, 512 and 640 hold sparse q-blocks
+    assert passes == 3  # the chunks at 256, 384 and 512 hold sparse windows
     assert 0 < samples[("sglang:compact_coverage", ())] <= 1
     for layer in range(num_layers):
         assert 0 < samples[("sglang:compact_density", (("layer", str(layer)),))] <= 1
