@@ -45,6 +45,7 @@ def _warn_once(message: str, **kwargs) -> None:
         _WARNED.add(message)
         logger.error(message, **kwargs)
 
+
 #: the gate of this scheduler's compact backend (set by the backend at start; None: no compact backend)
 ACTIVE_GATE = None
 #: while the radix cache inserts a request's KV: the most tokens of it that may enter the cache
@@ -99,16 +100,17 @@ def limit_cached_prefix(original, cache, req, *args, **kwargs):
     prefix enters the cache (`cap_cache_key` cuts the key while this runs); the rest stays the request's own
     and is freed with it."""
     gate = ACTIVE_GATE
-    limit = exact_prefix_len(gate, compat.request_origin_len(req))
+    prompt = compat.request_origin_len(req)
+    limit = exact_prefix_len(gate, prompt)
     if limit:
+        dense_below = gate.sparse_range(prompt)[0] * gate.window   # windows below the gate: dense, causal
         try:
             held = compat.cached_prefix_len(cache, req, limit)
-        except Exception:  # an SGLang whose cache we do not understand: cache nothing past the first window
+        except Exception:  # an SGLang whose cache we do not understand: cache only the part below the gate
             _warn_once("sglang_compact: could not read the radix cache's match for a request; caching only its "
-                       "dense prefix", exc_info=True)
-            held = limit = min(limit, gate.sparse_range(compat.request_origin_len(req))[0] * gate.window)
-        lo, _ = gate.sparse_range(compat.request_origin_len(req))
-        if held % gate.window and held > lo * gate.window:
+                       "part below the gate", exc_info=True)
+            held = limit = min(limit, dense_below)
+        if held % gate.window and held > dense_below:
             limit = held // gate.window * gate.window
     _INSERT_LIMIT[0] = limit
     try:
