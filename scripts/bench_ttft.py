@@ -11,11 +11,13 @@
         --sequential ...        (the longest prompt + 256 must fit Llama-3.1's 131,072 positions)
 
 For each chunk size, one server per method starts (side by side on the one GPU, each with a capped
-KV pool; one at a time with --sequential; SGLang's defaults otherwise, prefill CUDA graphs included,
-unless --no-prefill-graphs); then each is timed alone, the others idle, after a warm-up request at the
-longest context (so every code path, the sparse one included, has compiled). For each (context, batch):
-`--reps` rounds of `batch` concurrent requests with fresh random prompts (no radix-cache hits) and
-`max_new_tokens=1`; the TTFT of a round is its slowest request; the row takes the median. With
+KV pool and `--sleep-on-idle`, so the idle ones do not spin a CPU core each; one at a time with
+--sequential; SGLang's defaults otherwise, prefill CUDA graphs included,
+unless --no-prefill-graphs); each gets a warm-up request at the longest context (so every code path,
+the sparse one included, has compiled). For each (context, batch): `--reps` rounds, interleaved across
+the servers (rep 1 of every server, then rep 2, ...; each round timed alone, the others idle), of `batch`
+concurrent requests with fresh random prompts (no radix-cache hits) and `max_new_tokens=1`; the TTFT of a
+round is its slowest request; the row takes the median. With
 `--profile-steps` one more round runs under SGLang's profiler and `scripts/trace_summary.py` summarises
 the trace (kernel launches and host time per layer). A compact
 server runs with `--enable-metrics`: the density of its round (mean over its sparse forward passes of
@@ -118,6 +120,9 @@ def main() -> int:
     ap.add_argument("--name", default="speed_no_harm", help="basename of the table and plot")
     ap.add_argument("--out-dir", default=str(REPO / "docs" / "results"))
     ap.add_argument("--deadline-s", type=float, default=None, help="start no new (chunk, method) after this")
+    ap.add_argument("--side-by-side", type=int, default=0,
+                    help="servers started together, in --methods order (default: all of a chunk size; several "
+                         "8B servers at 128K do not fit one GPU)")
     ap.add_argument("--sequential", action="store_true",
                     help="start one server at a time (big models: several side by side may not fit)")
     ap.add_argument("--profile-steps", type=int, default=0,
@@ -165,57 +170,71 @@ def main() -> int:
         common = model_flags + ["--page-size", str(a.page_size), "--tp", str(a.tp), "--chunked-prefill-size",
                                 str(chunk), "--context-length", str(context_len), "--max-running-requests",
                                 str(max(batches)), "--cuda-graph-max-bs", str(max(batches)),
-                                "--mem-fraction-static", "0.9", "--max-total-tokens", str(pool_tokens)]
+                                "--mem-fraction-static", "0.9", "--max-total-tokens", str(pool_tokens),
+                                # idle side-by-side schedulers would each spin a CPU core while another is timed
+                                "--sleep-on-idle"]
         if a.no_prefill_graphs:
             common.append("--disable-prefill-cuda-graph")
         common += a.extra_args.split()
         return start_server(module, model, common + flags, out / f"ttft_{name}_{method}_c{chunk}.log",
                             timeout=a.start_timeout)
 
-    def measure(srv, method: str, chunk: int) -> None:
-        compact = method.startswith("compact")
-        # warm-up at the longest context: every code path (the sparse one included) compiles before timing
-        generate(srv, [rng.randrange(*vocab) for _ in range(max(contexts))], 1)
+    def round_(srv, n_tokens: int, n_req: int) -> float:
+        prompts = [[rng.randrange(*vocab) for _ in range(n_tokens)] for _ in range(n_req)]
+        t0 = time.time()
+        with cf.ThreadPoolExecutor(n_req) as ex:
+            list(ex.map(lambda p: generate(srv, p, 1), prompts))
+        return time.time() - t0
+
+    def measure(servers: dict, chunk: int) -> None:
+        """Every server of one chunk size, interleaved: for each (context, batch), rep after rep, each server
+        times one round alone (the others idle), so drift over the run reaches every method alike."""
+        for srv in servers.values():
+            # warm-up at the longest context: every code path (the sparse one included) compiles before timing
+            generate(srv, [rng.randrange(*vocab) for _ in range(max(contexts))], 1)
         for ctx in contexts:
             for bsz in batches:
-                def round_(n_tokens, n_req):
-                    prompts = [[rng.randrange(*vocab) for _ in range(n_tokens)] for _ in range(n_req)]
-                    t0 = time.time()
-                    with cf.ThreadPoolExecutor(n_req) as ex:
-                        list(ex.map(lambda p: generate(srv, p, 1), prompts))
-                    return time.time() - t0
-                times, dens, frac = [], [], []
+                times = {m: [] for m in servers}
+                dens = {m: [] for m in servers}
+                frac = {m: [] for m in servers}
                 for _ in range(a.reps):
-                    before = compact_counters(srv) if compact else None
-                    times.append(round_(ctx, bsz))
-                    if compact:
-                        after = compact_counters(srv)
-                        dc = after["dcount"] - before["dcount"]
-                        dens.append((after["dsum"] - before["dsum"]) / dc if dc else 1.0)
-                        dq = after["qblocks"] - before["qblocks"]
-                        frac.append((after["sparse"] - before["sparse"]) / dq if dq else 0.0)
-                row = {"bench": "ttft", "model": name, "context": ctx, "chunk": chunk, "batch": bsz, "tp": a.tp,
-                       "method": method, "density": statistics.median(dens) if compact else 1.0,
-                       "sparse_qblocks": statistics.median(frac) if compact else 0.0,
-                       "ms": 1000 * statistics.median(times), "ms_all": [round(1000 * t, 1) for t in times],
-                       "speedup_vs_flashinfer": None, "prefill_graphs": not a.no_prefill_graphs,
-                       "page_size": a.page_size, "server_start_s": round(srv.startup_seconds or 0, 1),
-                       "gpu": gpu, "date": date, "cmd": cmd}
-                rows.append(row)
-                print(f"{method} chunk {chunk} ctx {ctx} batch {bsz}: {row['ms']:.1f} ms (all {row['ms_all']}) "
-                      f"density {row['density']:.3f} sparse q-blocks {row['sparse_qblocks']:.2f}", flush=True)
+                    for method, srv in servers.items():
+                        compact = method.startswith("compact")
+                        before = compact_counters(srv) if compact else None
+                        times[method].append(round_(srv, ctx, bsz))
+                        if compact:
+                            after = compact_counters(srv)
+                            dc = after["dcount"] - before["dcount"]
+                            dens[method].append((after["dsum"] - before["dsum"]) / dc if dc else 1.0)
+                            dq = after["qblocks"] - before["qblocks"]
+                            frac[method].append((after["sparse"] - before["sparse"]) / dq if dq else 0.0)
+                for method, srv in servers.items():
+                    compact = method.startswith("compact")
+                    row = {"bench": "ttft", "model": name, "context": ctx, "chunk": chunk, "batch": bsz,
+                           "tp": a.tp, "method": method,
+                           "density": statistics.median(dens[method]) if compact else 1.0,
+                           "sparse_qblocks": statistics.median(frac[method]) if compact else 0.0,
+                           "ms": 1000 * statistics.median(times[method]),
+                           "ms_all": [round(1000 * t, 1) for t in times[method]],
+                           "speedup_vs_flashinfer": None, "prefill_graphs": not a.no_prefill_graphs,
+                           "page_size": a.page_size, "server_start_s": round(srv.startup_seconds or 0, 1),
+                           "gpu": gpu, "date": date, "cmd": cmd}
+                    rows.append(row)
+                    print(f"{method} chunk {chunk} ctx {ctx} batch {bsz}: {row['ms']:.1f} ms (all {row['ms_all']}) "
+                          f"density {row['density']:.3f} sparse q-blocks {row['sparse_qblocks']:.2f}", flush=True)
                 if a.profile_steps:
-                    profile(srv, method, chunk, ctx, bsz, statistics.median(times), round_)
+                    for method, srv in servers.items():
+                        profile(srv, method, chunk, ctx, bsz, statistics.median(times[method]))
 
     profiles = []
 
-    def profile(srv, method: str, chunk: int, ctx: int, bsz: int, ttft_s: float, round_) -> None:
+    def profile(srv, method: str, chunk: int, ctx: int, bsz: int, ttft_s: float) -> None:
         """One more round, untimed, with SGLang's profiler on for a few forward passes part way through."""
         pid = f"{method}_c{chunk}_ctx{ctx}_b{bsz}"
         trace_dir = Path("/tmp/ttft_traces")
         trace_dir.mkdir(parents=True, exist_ok=True)
         with cf.ThreadPoolExecutor(1) as ex:
-            fut = ex.submit(round_, ctx, bsz)
+            fut = ex.submit(round_, srv, ctx, bsz)
             time.sleep(a.profile_at * ttft_s)
             reply = srv.post("/start_profile", {"output_dir": str(trace_dir), "num_steps": a.profile_steps,
                                                 "activities": ["CPU", "GPU"], "with_stack": False,
@@ -256,7 +275,8 @@ def main() -> int:
         if a.deadline_s and time.time() - t_start > a.deadline_s:
             print(f"deadline reached; skipping chunk {chunk}", flush=True)
             continue
-        groups = [[m] for m in methods] if a.sequential else [methods]
+        n = 1 if a.sequential else (a.side_by_side or len(methods))
+        groups = [methods[i:i + n] for i in range(0, len(methods), n)]
         for group in groups:
             if a.deadline_s and time.time() - t_start > a.deadline_s:
                 print(f"deadline reached; skipping chunk {chunk} {group}", flush=True)
@@ -270,9 +290,8 @@ def main() -> int:
                 except Exception as e:  # noqa: BLE001
                     print(f"{m} chunk {chunk}: server failed: {e}", flush=True)
             try:
-                for m in group:
-                    if m in servers and not (a.deadline_s and time.time() - t_start > a.deadline_s):
-                        measure(servers[m], m, chunk)
+                if servers and not (a.deadline_s and time.time() - t_start > a.deadline_s):
+                    measure(servers, chunk)
             finally:
                 for srv in servers.values():
                     srv.stop()

@@ -35,7 +35,7 @@ Shapes (B requests, T = sum of chunk lengths, P = page size):
     k_pool       [num_pages, H_kv, P, D]       head-major paged pool ("HND")
     v_pool       [num_pages, H_kv, P, D]
     page_table   int32 [B, >= max_b n_ctx_b]   page ids of each context, in order
-    k_chunk      [T, H_kv, D] or None          the chunk's keys (only the dense path's ragged part reads them)
+    k_chunk      [T, H_kv, D] or None          the chunk's keys (for the attention benchmark's ragged baselines)
     v_chunk      [T, H_kv, D] or None
 
 Tensors derived from the lengths alone are computed once per batch and shared

@@ -71,7 +71,8 @@ def test_rows_executor_matches_reference(context, hq, hkv, d, selector, kernel):
 @pytest.mark.parametrize("kernel", ["fa2", "fa3"])
 @pytest.mark.parametrize("hq,hkv,d", [(32, 8, 128), (14, 2, 64)])
 def test_dense_pass_matches_reference(kernel, hq, hkv, d):
-    """The stock path (ragged + paged prefix + merge), with one request without a prefix in the batch."""
+    """One causal paged pass over each context, with one request without a prefix in the batch; through `run`
+    and through `run_dense` into a given output buffer."""
     b = gpu_batch([8192 + 33, 0, 4096], [1024, 300, 517], hq, hkv, d, seed=7, sparse_ranges=[(0, 0)] * 3)
     ex = executor(b, kernel)
     ex.plan_forward(ForwardShape.of(b), b.page_table)
@@ -80,29 +81,32 @@ def test_dense_pass_matches_reference(kernel, hq, hkv, d):
     err = rel_err(out, reference_attention(b, b.full_table()))
     print(f"dense {kernel} heads={hq}/{hkv} d={d}: rel_err={err:.2e}")
     assert err <= 1e-2
+    buf = torch.full_like(b.q, float("nan"))
+    got = ex.run_dense(b.q, b.k_pool, b.v_pool, out=buf)
+    assert got.data_ptr() == buf.data_ptr() and torch.equal(got, out)
 
 
-def test_dense_pass_is_flashinfers_own_kernels():
-    """What stock SGLang runs: FlashInfer's ragged + paged + merge_state, here over page ids of the head-major
-    pool, bit for bit."""
+@pytest.mark.parametrize("kernel", ["fa2", "fa3"])
+def test_dense_pass_is_one_flashinfer_paged_pass(kernel):
+    """Bit for bit what a fresh FlashInfer causal paged plan over each request's context pages gives (the pass is
+    planned once per forward pass and reused by every layer: here a second layer's pool and queries)."""
     b = gpu_batch([8192 + 33, 4096], [1024, 1024], 32, 8, 128, seed=3, sparse_ranges=[(0, 0)] * 2)
-    ex = executor(b, "fa2")
+    ex = executor(b, kernel)
     ex.plan_forward(ForwardShape.of(b), b.page_table)
-    ours = ex.run(b, None)
     ws = torch.empty(256 << 20, dtype=torch.uint8, device=DEV)
-    cu = torch.tensor([0, 1024, 2048], dtype=torch.int32)
-    n = [cdiv(L, P) for L in b.prefix_lens_cpu]
-    rag = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD", backend="fa2")
-    rag.plan(cu, cu, 32, 8, 128, causal=True, sm_scale=b.sm_scale, q_data_type=b.q.dtype)
-    paged = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws, "HND", backend="fa2")
-    paged.plan(cu, torch.tensor([0, n[0], n[0] + n[1]], dtype=torch.int32),
-               torch.cat([b.page_table[i, :n[i]] for i in range(2)]).int(),
-               torch.tensor([L - (k - 1) * P for L, k in zip(b.prefix_lens_cpu, n)], dtype=torch.int32),
-               32, 8, 128, P, causal=False, sm_scale=b.sm_scale, q_data_type=b.q.dtype)
-    o1, s1 = rag.run(b.q, b.k_chunk, b.v_chunk, return_lse=True)
-    o2, s2 = paged.run(b.q, (b.k_pool, b.v_pool), return_lse=True)
-    want, _ = flashinfer.merge_state(o1, s1, o2, s2)
-    assert torch.equal(ours, want)
+    n = [cdiv(L + C, P) for L, C in zip(b.prefix_lens_cpu, b.chunk_lens_cpu)]
+    fresh = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws, "HND", backend=kernel)
+    fresh.plan(torch.tensor([0, 1024, 2048], dtype=torch.int32),
+               torch.tensor([0, n[0], n[0] + n[1]], dtype=torch.int32), torch.cat([b.page_table[i, :n[i]] for i in range(2)]).int(),
+               torch.tensor([L + C - (k - 1) * P for L, C, k in zip(b.prefix_lens_cpu, b.chunk_lens_cpu, n)],
+                            dtype=torch.int32),
+               32, 8, 128, P, causal=True, sm_scale=b.sm_scale, q_data_type=b.q.dtype)
+    g = torch.Generator(device=DEV).manual_seed(11)
+    for layer in range(2):
+        q = b.q if layer == 0 else torch.randn(b.q.shape, generator=g, device=DEV).to(b.q.dtype)
+        k_pool = b.k_pool if layer == 0 else torch.randn(b.k_pool.shape, generator=g, device=DEV).to(b.q.dtype)
+        v_pool = b.v_pool if layer == 0 else torch.randn(b.v_pool.shape, generator=g, device=DEV).to(b.q.dtype)
+        assert torch.equal(ex.run_dense(q, k_pool, v_pool), fresh.run(q, (k_pool, v_pool)))
 
 
 @pytest.mark.parametrize("hq,hkv,d", [(16, 4, 128), (9, 3, 64)])

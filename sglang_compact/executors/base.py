@@ -3,9 +3,9 @@
 An executor computes each chunk's attention over its context in the paged
 pool, in one of two ways fixed for the whole forward pass:
 
-* dense (no q-block reads a selection): what stock SGLang runs, each chunk
-  against its whole context; the chunk's own K/V come from `ChunkBatch.k_chunk`
-  / `v_chunk` where the kernels want them (ragged), the prefix from the pool;
+* dense (no q-block reads a selection): each chunk against its whole context,
+  read from the pool after the chunk's K/V were stored (`run_dense`: one causal
+  paged pass, what stock SGLang's fa3 backend runs);
 * sparse: one causal paged pass over rows (kv head, window), each reading the
   pages of its `PagedIndices` (written per layer by the index kernel, into the
   executor's `index_buffers` when it has them).
@@ -13,7 +13,8 @@ pool, in one of two ways fixed for the whole forward pass:
     executor.plan_forward(shape, page_table)     # once per forward pass: host lengths only
     for each layer:
         indices = compact.select_pages(batch, ..., buffers=executor.index_buffers)  # sparse passes only
-        o = executor.run(batch, indices)          # None for a dense pass
+        o = executor.run(batch, indices)          # sparse pass
+        o = executor.run_dense(q, k_pool, v_pool)  # dense pass (executor.run(batch, None) does the same)
 """
 
 from __future__ import annotations
@@ -64,8 +65,11 @@ class ForwardShape:
     def total_tokens(self) -> int:
         return sum(self.chunk_lens)
 
-    def prefix_pages(self) -> list[int]:
-        return [cdiv(L, self.page_size) for L in self.prefix_lens]
+    def context_lens(self) -> list[int]:
+        return [L + C for L, C in zip(self.prefix_lens, self.chunk_lens)]
+
+    def context_pages(self) -> list[int]:
+        return [cdiv(E, self.page_size) for E in self.context_lens()]
 
     def rows_upper_bound(self) -> list[int]:
         """kv_indptr of the rows when each reads its whole context (the densest plan)."""
@@ -83,6 +87,11 @@ class Executor(Protocol):
 
     def run(self, batch: ChunkBatch, indices: PagedIndices | None) -> torch.Tensor:
         """o [T, H_q, D] in q's dtype; `indices` None for a dense pass."""
+        ...
+
+    def run_dense(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+        """A dense pass's layer from its tensors alone (into `out` when given)."""
         ...
 
 

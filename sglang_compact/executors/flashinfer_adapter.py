@@ -40,10 +40,6 @@ def paged_wrapper(workspace: torch.Tensor, backend: str):
     return flashinfer().BatchPrefillWithPagedKVCacheWrapper(workspace, "HND", backend=backend)
 
 
-def ragged_wrapper(workspace: torch.Tensor, backend: str):
-    return flashinfer().BatchPrefillWithRaggedKVCacheWrapper(workspace, "NHD", backend=backend)
-
-
 def decode_wrapper(workspace: torch.Tensor, **buffers):
     """Decode over a head-major pool with tensor cores (CUDA-graph buffers in `buffers` when given)."""
     return flashinfer().BatchDecodeWithPagedKVCacheWrapper(workspace, "HND", use_tensor_cores=True, **buffers)
@@ -57,7 +53,3 @@ def index_buffers(wrapper) -> IndexBuffers:
         import flashinfer as fi
         raise RuntimeError(f"flashinfer {fi.__version__}: the paged wrapper has no {e.name}; sglang-compact "
                            f"writes each layer's indices into it (checked with {', '.join(TESTED_VERSIONS)})") from None
-
-
-def merge_state(o_a, lse_a, o_b, lse_b):
-    return flashinfer().merge_state(o_a, lse_a, o_b, lse_b)

@@ -1,9 +1,12 @@
 """FlashInfer executors (GPU): dense passes as stock SGLang runs them, sparse passes as rows.
 
-Dense pass (no q-block reads a selection), planned once per forward pass:
-ragged causal attention over each chunk's own tokens + paged attention over
-its prefix pages (all heads, page ids, head-major pool) + `merge_state`: the
-kernels stock SGLang's FlashInfer backend runs, with nothing else per layer.
+Dense pass (no q-block reads a selection), planned once per forward pass: one
+causal paged pass over each request's whole context (prefix + chunk, the
+chunk's K/V already written into the pool), all heads, page ids of the
+head-major pool; on fa3 where the GPU has it. Per layer: one `run`, into the
+output buffer SGLang hands the backend when it does, nothing else. (Stock
+SGLang's FlashInfer backend runs ragged + paged + `merge_state` for the same
+result; stock fa3 runs one paged pass, as here.)
 
 Sparse pass: the pool `[num_pages, H_kv, P, D]` is viewed as
 `[num_pages * H_kv, 1, P, D]`, so every row (kv head g, window w) is a
@@ -61,7 +64,7 @@ class FlashInferExecutor:
         self.workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=self.device)
         self._indices = torch.zeros(0, dtype=torch.int32, device=self.device)  # grown to the largest pass seen
         self._paged: dict[str, object] = {}
-        self._ragged: dict[str, object] = {}
+        self._dense = None
         self.shape: ForwardShape | None = None
         self.index_buffers: IndexBuffers | None = None
         #: how the current forward pass runs: "dense", "rows" (planned once) or "rows-per-layer"
@@ -72,11 +75,6 @@ class FlashInferExecutor:
         if key not in self._paged:
             self._paged[key] = fi.paged_wrapper(self.workspace, kernel)
         return self._paged[key]
-
-    def _ragged_wrapper(self, kernel: str):
-        if kernel not in self._ragged:
-            self._ragged[kernel] = fi.ragged_wrapper(self.workspace, kernel)
-        return self._ragged[kernel]
 
     # --- once per forward pass ------------------------------------------------------------------
     def plan_forward(self, shape: ForwardShape, page_table: torch.Tensor) -> None:
@@ -90,23 +88,18 @@ class FlashInferExecutor:
     def _plan_dense(self, shape: ForwardShape, page_table: torch.Tensor) -> None:
         s = shape
         self.mode = "dense"
-        cu = _i32(host_cumsum(s.chunk_lens))
-        self._ragged_kernel = self.kernel
-        self._ragged_wrapper(self.kernel).plan(cu, cu, s.num_q_heads, s.num_kv_heads, s.head_dim, causal=True,
-                                               sm_scale=s.sm_scale, q_data_type=s.dtype, kv_data_type=s.dtype)
-        n = s.prefix_pages()
-        self._dense_paged = None
-        if not any(n):
-            return
-        kernel = self.kernel if all(n) else "fa2"
+        n = s.context_pages()
         width = page_table.shape[1]
-        flat = _i32(b * width + j for b, k in enumerate(n) for j in range(k)).to(self.device, non_blocking=True)
-        indices = page_table.reshape(-1)[flat]
-        last = [L - (k - 1) * s.page_size if k else 0 for L, k in zip(s.prefix_lens, n)]
+        # fa3 is not given empty rows (a request with nothing to attend to)
+        kernel = self.kernel if all(n) else "fa2"
+        flat = torch.cat([torch.arange(b * width, b * width + k, dtype=torch.int64) for b, k in enumerate(n)])
+        indices = page_table.reshape(-1)[flat.to(self.device, non_blocking=True)]
+        last = [E - (k - 1) * s.page_size if k else 0 for E, k in zip(s.context_lens(), n)]
         w = self._paged_wrapper(kernel, "dense")
-        w.plan(cu, _i32(host_cumsum(n)), indices, _i32(last), s.num_q_heads, s.num_kv_heads, s.head_dim,
-               s.page_size, causal=False, sm_scale=s.sm_scale, q_data_type=s.dtype, kv_data_type=s.dtype)
-        self._dense_paged = w
+        w.plan(_i32(host_cumsum(s.chunk_lens)), _i32(host_cumsum(n)), indices, _i32(last), s.num_q_heads,
+               s.num_kv_heads, s.head_dim, s.page_size, causal=True, sm_scale=s.sm_scale, q_data_type=s.dtype,
+               kv_data_type=s.dtype)
+        self._dense = w
 
     def _rows_plan(self, shape: ForwardShape):
         """(kernel, kv_indptr to plan with, extra plan arguments) of a sparse pass."""
@@ -142,19 +135,17 @@ class FlashInferExecutor:
         if self.shape is None:
             raise RuntimeError(f"{type(self).__name__}.run before plan_forward")
         if self.mode == "dense":
-            return self._run_dense(batch)
+            return self.run_dense(batch.q, batch.k_pool, batch.v_pool)
         if indices is None:
             raise ValueError("a sparse forward pass needs the layer's paged indices")
         return self._run_rows(batch, indices)
 
-    def _run_dense(self, batch: ChunkBatch) -> torch.Tensor:
-        ragged = self._ragged_wrapper(self._ragged_kernel)
-        if self._dense_paged is None:
-            return ragged.run(batch.q, batch.k_chunk, batch.v_chunk)
-        o_c, lse_c = ragged.run(batch.q, batch.k_chunk, batch.v_chunk, return_lse=True)
-        o_p, lse_p = self._dense_paged.run(batch.q, (batch.k_pool, batch.v_pool), return_lse=True)
-        o, _ = fi.merge_state(o_c, lse_c, o_p, lse_p)
-        return o
+    def run_dense(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+        """A dense pass's layer: q [T, H_q, D] against the contexts in the pool (the chunk's K/V stored)."""
+        if self.mode != "dense":
+            raise RuntimeError(f"{type(self).__name__}.run_dense in a {self.mode} forward pass")
+        return self._dense.run(q, (k_pool, v_pool), out=out)
 
     def _run_rows(self, batch: ChunkBatch, indices: PagedIndices) -> torch.Tensor:
         s = self.shape

@@ -109,10 +109,11 @@ class TorchExecutor:
 
     def __init__(self):
         self.shape: ForwardShape | None = None
+        self._page_table: torch.Tensor | None = None
 
     def plan_forward(self, shape: ForwardShape, page_table: torch.Tensor) -> None:
         self.shape = shape
-        self._last = shape.qblocks.last_page_len() * shape.num_kv_heads
+        self._page_table = page_table
 
     def run(self, batch: ChunkBatch, indices: PagedIndices | None) -> torch.Tensor:
         if self.shape is None:
@@ -122,6 +123,22 @@ class TorchExecutor:
                 raise ValueError("a sparse forward pass needs the layer's paged indices")
             return causal_context_attention(batch).to(batch.q.dtype)
         return table_attention(batch, self.table_from_indices(batch, indices)).to(batch.q.dtype)
+
+    def run_dense(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+        s = self.shape
+        if s is None:
+            raise RuntimeError("TorchExecutor.run_dense before plan_forward")
+        if s.sparse:
+            raise RuntimeError("TorchExecutor.run_dense in a sparse forward pass")
+        batch = ChunkBatch(q=q, k_pool=k_pool, v_pool=v_pool, page_table=self._page_table,
+                           prefix_lens_cpu=s.prefix_lens, chunk_lens_cpu=s.chunk_lens, qblocks=s.qblocks,
+                           sm_scale=s.sm_scale)
+        o = causal_context_attention(batch).to(q.dtype)
+        if out is None:
+            return o
+        out.copy_(o)
+        return out
 
     def table_from_indices(self, batch: ChunkBatch, indices: PagedIndices) -> torch.Tensor:
         """bool [H_kv, NW, NKV]: the pages the rows' paged indices name (read back, the way a paged kernel

@@ -290,6 +290,19 @@ def cache_locations(fb) -> torch.Tensor:
     return fb.out_cache_loc
 
 
+def take_attention_output(fb, q: torch.Tensor) -> torch.Tensor | None:
+    """The output buffer SGLang's attention op hands the backend for this call (`ForwardBatch._attn_output`,
+    set by `unified_attention_with_output` before each layer's call), viewed like q [T, H_q, D]; None when
+    there is none or it does not fit (the backend then returns a new tensor and SGLang copies it). Taken: the
+    attribute is cleared, so a later call that SGLang makes without setting it never writes into a stale one."""
+    out = getattr(fb, "_attn_output", None)
+    if out is not None:
+        fb._attn_output = None
+    if out is None or out.dtype != q.dtype or out.numel() != q.numel() or not out.is_contiguous():
+        return None
+    return out.view(q.shape)
+
+
 # --- schedule batches (in the ForwardBatch.init_new hook) ----------------------------------------------
 
 def batch_requests(batch) -> list:

@@ -3,7 +3,8 @@
 `ExtendPlanner.plan` (SGLang's `init_forward_metadata`) decides, from host lengths only, which
 windows read a selection (the gate), builds the batch's page table, q-blocks and windows, and plans
 the executor; `ExtendPlanner.forward` (each layer's `forward_extend`) only launches device work: the KV
-store (with page summaries), the selection kernels of a sparse pass, and the attention.
+store (with page summaries), then, in a dense pass, one planned attention run into SGLang's output
+buffer; in a sparse pass, the selection kernels and the rows' attention.
 """
 
 from __future__ import annotations
@@ -74,22 +75,26 @@ class ExtendPlanner:
         lid = compat.layer_id(layer)
         li = lid - rt.view.start_layer
         k_buf, v_buf = compat.layer_kv_buffers(rt.pool, lid)
-        q3, k3, v3 = q.view(-1, H_q, D), k.view(-1, H_kv, D), v.view(-1, H_kv, D)
+        q3 = q.view(-1, H_q, D)
         summaries = rt.summaries.layer(li) if rt.summaries is not None else None
         if save_kv_cache:
-            store_kv(k_buf, v_buf, compat.cache_locations(fb), k3, v3, summaries)
+            store_kv(k_buf, v_buf, compat.cache_locations(fb), k.view(-1, H_kv, D), v.view(-1, H_kv, D), summaries)
         elif md.sparse:
             raise RuntimeError("sglang_compact: a sparse pass reads the chunk's keys from the pool, but this layer "
                                "was asked not to store them (save_kv_cache=False)")
+        # with save_kv_cache=False the caller has stored the chunk's K/V (SGLang's contract): both paths read the pool
         if q3.dtype != k_buf.dtype:
             q3 = q3.to(k_buf.dtype)
-        batch = dataclasses.replace(md.template, q=q3, k_pool=k_buf, v_pool=v_buf, k_chunk=k3.to(k_buf.dtype),
-                                    v_chunk=v3.to(k_buf.dtype), sm_scale=compat.layer_scaling(layer))
-        indices = None
-        if md.sparse:
+        if not md.sparse:
+            out = compat.take_attention_output(fb, q3) if q3.dtype == q.dtype else None
+            o = rt.executor.run_dense(q3, k_buf, v_buf, out=out)
+        else:
+            batch = dataclasses.replace(md.template, q=q3, k_pool=k_buf, v_pool=v_buf,
+                                        sm_scale=compat.layer_scaling(layer))
             sel = rt.compact.select_pages(batch, li, summaries, buffers=rt.executor.index_buffers,
                                           with_stats=rt.telemetry.wants_stats())
             rt.telemetry.record(li, sel.density, sel.coverage)
-            indices = sel.indices
-        o = rt.executor.run(batch, indices)
-        return o.to(q.dtype).reshape(-1, H_q * D)
+            o = rt.executor.run(batch, sel.indices)
+        if o.dtype != q.dtype:
+            o = o.to(q.dtype)
+        return o.view(-1, H_q * D)
