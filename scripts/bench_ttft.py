@@ -100,6 +100,9 @@ def compact_counters(srv) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--replot", metavar="SPEED_JSON",
+                     help="no timing: redraw <out-dir>/<name>.png from the ttft rows of this speed.json dated "
+                          "--replot-date* (several runs and models in one figure; rows of --layers configs left out)")
     src.add_argument("--model", choices=["llama-3.1-8b", "qwen2.5-0.5b"], help="a config with dummy weights")
     src.add_argument("--model-path", help="an HF folder with real weights")
     ap.add_argument("--model-name", default=None, help="name in the rows (default: --model or the folder name)")
@@ -132,9 +135,12 @@ def main() -> int:
     ap.add_argument("--profile-at", type=float, default=0.6,
                     help="fraction of the timed TTFT after which profiling starts (default 0.6)")
     ap.add_argument("--start-timeout", type=float, default=900)
+    ap.add_argument("--replot-date", default="", help="with --replot: the rows' date prefix (ISO, UTC)")
     ap.add_argument("--dry-run", action="store_true", help="print the servers, their flags and the per-rank KV "
                     "memory, then exit")
     a = ap.parse_args()
+    if a.replot:
+        return replot(a)
     t_start = time.time()
     out = Path(a.out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -326,6 +332,8 @@ def main() -> int:
 
 
 def plot(rows, path: Path, title: str) -> None:
+    """Each method's TTFT ratio against stock flashinfer's over prompt length: one panel per model, a line per
+    (method, chunk, batch), solid for the smallest chunk."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -333,22 +341,43 @@ def plot(rows, path: Path, title: str) -> None:
     except ImportError:
         print("matplotlib missing: no plot", flush=True)
         return
-    fig, ax = plt.subplots(figsize=(7, 4.2))
-    keys = sorted({(r["method"], r["chunk"], r["batch"]) for r in rows if r["method"] != "flashinfer"})
-    for m, c, b in keys:
-        pts = sorted((r["context"], r["speedup_vs_flashinfer"]) for r in rows
-                     if (r["method"], r["chunk"], r["batch"]) == (m, c, b) and r["speedup_vs_flashinfer"])
-        if pts:
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{m}, chunk {c}, batch {b}")
-    ax.axhline(1.0, color="gray", lw=0.8)
-    ax.axhline(0.97, color="red", lw=0.8, ls="--", label="0.97 (do no harm)")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("prompt tokens")
-    ax.set_ylabel("speedup vs stock flashinfer")
-    ax.set_title(title, fontsize=9)
-    ax.legend(fontsize=7)
+    models = sorted({r["model"] for r in rows})
+    fig, axes = plt.subplots(1, len(models), figsize=(6.2 * len(models), 4.4), sharey=True, squeeze=False)
+    for ax, model in zip(axes[0], models):
+        mine = [r for r in rows if r["model"] == model]
+        chunks = sorted({r["chunk"] for r in mine})
+        keys = sorted({(r["chunk"], r["method"], r["batch"]) for r in mine if r["method"] != "flashinfer"})
+        for c, m, b in keys:
+            pts = sorted((r["context"], r["speedup_vs_flashinfer"]) for r in mine
+                         if (r["method"], r["chunk"], r["batch"]) == (m, c, b) and r["speedup_vs_flashinfer"])
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], "-" if c == chunks[0] else "--", marker="o",
+                        label=f"{m}, chunk {c}, batch {b}")
+        ax.axhline(1.0, color="gray", lw=0.8)
+        ax.axhline(0.97, color="red", lw=0.8, ls=":", label="0.97 (do no harm)")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("prompt tokens")
+        ax.set_title(model, fontsize=9)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    axes[0][0].set_ylabel("TTFT of stock flashinfer / TTFT of the method")
+    fig.suptitle(title, fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=110)
+
+
+def replot(a) -> int:
+    """--replot: the figure of the `ttft` rows in a speed.json whose date starts with --replot-date."""
+    rows = [r for r in json.loads(Path(a.replot).read_text()) if r.get("bench") == "ttft"
+            and r.get("date", "").startswith(a.replot_date) and r.get("speedup_vs_flashinfer")
+            and "--layers" not in r.get("cmd", "")]
+    if not rows:
+        raise SystemExit(f"{a.replot}: no ttft rows of whole models dated {a.replot_date!r}*")
+    out = Path(a.out_dir) / f"{a.name}.png"
+    plot(rows, out, f"Time to first token against stock SGLang flashinfer ({rows[0].get('gpu', '')}, "
+                    f"{a.replot_date}*)")
+    print(f"{out}: {len(rows)} rows of {len({r['model'] for r in rows})} model(s)")
+    return 0
 
 
 if __name__ == "__main__":
