@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
 # One GPU-host call after the pieces arrived (scripts/gpu/pieces.py): stock SGLang's fa3 library
 # (sgl_kernel/flash_ops, which the bundle trims) and Qwen2.5-Coder-0.5B's GGUF are joined, checked and
-# installed / converted, then the time-to-first-token sweep runs. Results tarred into $OUT/qwen.tgz.
-#   bash scripts/gpu/qwen_h200.sh [bench_ttft.py flags to add]
+# installed / converted (once per warm machine: /tmp keeps them), then one job runs:
+#   bash scripts/gpu/qwen_h200.sh [ttft] [bench_ttft.py flags to add]    time to first token, 4K-31K
+#       (results tarred into $OUT/qwen.tgz)
+#   bash scripts/gpu/qwen_h200.sh accuracy [accuracy_h200.py flags]       the accuracy suite on /tmp/qwen
+#       (default: 8K, 16K and 32K, chunk 1024; results tarred into $OUT/qwen_accuracy.tgz)
 set -uo pipefail
+JOB=ttft
+if [[ ${1:-} == ttft || ${1:-} == accuracy ]]; then JOB=$1; shift; fi
 source scripts/gpu/setup.sh || exit 1
-R=/tmp/res/qwen; rm -rf $R; mkdir -p $R
 python3 scripts/gpu/pieces.py collect .pieces --into /tmp/pieces > /dev/null 2>&1 || true
 SITE=$(python3 -c "import sgl_kernel, os; print(os.path.dirname(sgl_kernel.__file__))")
 if [ ! -f $SITE/flash_ops.abi3.so ]; then
@@ -13,10 +17,21 @@ if [ ! -f $SITE/flash_ops.abi3.so ]; then
 fi
 python3 -c "from sgl_kernel.flash_attn import flash_attn_varlen_func; print('fa3 library: ok')" 2>&1 | tail -1
 if [ ! -f /tmp/qwen/config.json ]; then
+  mkdir -p /tmp/res
   python3 scripts/gpu/pieces.py join qwen --dir /tmp/pieces --out /tmp/qwen.gguf && \
   python3 scripts/convert_gguf.py --model qwen2.5-coder --gguf /tmp/qwen.gguf --out /tmp/qwen --dtype bfloat16 \
-    --quiet > $R/convert.log 2>&1; echo "convert: exit $?"; tail -2 $R/convert.log
+    --quiet > /tmp/res/qwen_convert.log 2>&1; echo "convert: exit $?"; tail -2 /tmp/res/qwen_convert.log
 fi
+if [[ $JOB == accuracy ]]; then
+  R=/tmp/res/qwen_accuracy; rm -rf $R; mkdir -p $R
+  python3 scripts/gpu/accuracy_h200.py --model-dir /tmp/qwen --model-name qwen2.5-coder-0.5b --chunk 1024 \
+    --lengths 8192 16384 32512 --out $R "$@" > $R/run.log 2>&1
+  echo "accuracy: exit $?"; tail -30 $R/accuracy.md 2>/dev/null || tail -30 $R/run.log
+  pkill -9 -f "launch_server|sglang::" 2>/dev/null
+  tar czf $OUT/qwen_accuracy.tgz -C /tmp/res qwen_accuracy
+  exit 0
+fi
+R=/tmp/res/qwen; rm -rf $R; mkdir -p $R
 python3 scripts/bench_ttft.py --model-path /tmp/qwen --model-name qwen2.5-coder-0.5b --page-size 32 \
   --contexts 4096,8192,16384,31744 --chunks 1024,8192 --batches 1 --methods flashinfer,fa3,compact,compact-dense \
   --out-dir $R "$@" > $R/bench.log 2>&1
