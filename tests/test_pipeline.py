@@ -112,10 +112,17 @@ def test_dense_execution_and_the_full_table_equal_float64_dense(seed):
     ex = TorchExecutor()
     ex.plan_forward(ForwardShape.of(b), b.page_table)
     torch.testing.assert_close(ex.run(b, None).double(), want, rtol=1e-4, atol=1e-5)
+    # what a layer of the serving path calls: the layer's tensors only, into a given output buffer
+    buf = torch.full_like(b.q, float("nan"))
+    got = ex.run_dense(b.q, b.k_pool, b.v_pool, out=buf)
+    assert got.data_ptr() == buf.data_ptr()
+    torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-5)
+    sb = make_batch(seed)
+    ex.plan_forward(ForwardShape.of(sb), sb.page_table)
     with pytest.raises(ValueError, match="paged indices"):
-        sb = make_batch(seed)
-        ex.plan_forward(ForwardShape.of(sb), sb.page_table)
         ex.run(sb, None)
+    with pytest.raises(RuntimeError, match="sparse forward pass"):
+        ex.run_dense(sb.q, sb.k_pool, sb.v_pool)
 
 
 @pytest.mark.parametrize("selector", ["flashprefill", "budget", "dense", "oracle", "xattention"])
