@@ -247,12 +247,20 @@ def main() -> int:
                                                 "record_shapes": False, "profile_id": pid})
             fut.result()
         trace = trace_dir / f"{pid}-TP-0.trace.json.gz"
-        for _ in range(60):  # the scheduler writes it when the last profiled step ends
+        stopped = None
+        for i in range(60):  # the scheduler writes it when the last profiled step ends
             if trace.exists():
                 break
+            if i == 5:
+                # a prompt that ended before its profiled steps did leaves the profiler waiting for passes that
+                # never come (the round is over): stop it, so it writes what it has
+                try:
+                    stopped = srv.post("/stop_profile", {})
+                except Exception as e:  # noqa: BLE001
+                    stopped = f"stop_profile failed: {e}"
             time.sleep(1)
         if not trace.exists():
-            print(f"profile {pid}: no trace ({reply})", flush=True)
+            print(f"profile {pid}: no trace (start: {reply}; stop: {stopped})", flush=True)
             return
         time.sleep(2)  # let the export finish
         events = trace_summary.load_trace(trace)
