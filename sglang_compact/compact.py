@@ -108,3 +108,29 @@ class CompactAttention:
             if scores.shape[1] != table.shape[1]:
                 scores = window_scores(scores, batch)
         return top_pages_per_row(scores, batch, cfg.density_cap, cfg.sink_blocks, cfg.recent_blocks, allowed=table)
+
+
+def mass_recall(batch: ChunkBatch, table: torch.Tensor, kv_head: int) -> torch.Tensor | None:
+    """float32 [S] on the batch's device, one value per sparse window: the share of the window's last query's
+    attention (kv head `kv_head`, the first query head of its group, causal over the request's context) that
+    falls in the pages its row reads (`table` bool [H_kv, NW, NKV]). 1.0: the selection misses nothing of that
+    query's attention. None when no window is sparse. No host sync (shapes come from the host lengths)."""
+    qb, P = batch.qblocks, batch.page_size
+    q_head = kv_head * batch.group_size
+    values = []
+    keys: dict[int, torch.Tensor] = {}
+    for w, sparse in enumerate(qb.w_sparse):
+        if not sparse:
+            continue
+        b = qb.w_req[w]
+        position = qb.w_pos[w] + qb.w_length[w] - 1          # the window's last query, absolute position
+        if b not in keys:
+            n = qb.n_ctx[b]
+            keys[b] = batch.k_pool[batch.page_table[b, :n].long(), kv_head].reshape(n * P, -1)
+        k = keys[b][:position + 1].to(torch.float32)
+        q = batch.q[qb.w_start[w] + qb.w_length[w] - 1, q_head].to(torch.float32)
+        p = torch.softmax((k @ q) * batch.sm_scale, dim=0)
+        pages = -(-(position + 1) // P)
+        page_mass = torch.nn.functional.pad(p, (0, pages * P - p.numel())).view(pages, P).sum(dim=1)
+        values.append((page_mass * table[kv_head, w, :pages]).sum())
+    return torch.stack(values) if values else None

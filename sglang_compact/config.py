@@ -55,6 +55,11 @@ class CompactConfig:
             once per forward pass only when the row lengths are known on the host:
             dense passes, selectors that fix row lengths), or "auto" (fa3 on sm90
             where it is planned once, else fa2). Ignored on CPU.
+        recall_every: every `recall_every`-th sparse forward pass (0: never), one
+            layer (in turn) measures the mass recall of its selection: for each
+            sparse window, the share of the window's last query's attention (one
+            kv head in turn, its group's first query head) that falls in the pages
+            its row reads. Published on `/metrics` (`sglang:compact_recall`).
     """
 
     block_size: int = 64
@@ -68,6 +73,7 @@ class CompactConfig:
     dense_tail: int = 1024
     density_cap: float | None = None
     prefill_kernel: str = "auto"
+    recall_every: int = 0
 
     def __post_init__(self) -> None:
         bs = self.block_size
@@ -82,7 +88,7 @@ class CompactConfig:
             spec = selector_spec(self.selector)
         except ValueError as e:
             _fail("selector", f"must be one of {', '.join(selector_names())} ({e})", self.selector)
-        for name, lo in (("sink_blocks", 0), ("recent_blocks", 0), ("dense_tail", 0)):
+        for name, lo in (("sink_blocks", 0), ("recent_blocks", 0), ("dense_tail", 0), ("recall_every", 0)):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
                 _fail(name, f"must be an integer >= {lo}", v)
@@ -135,4 +141,5 @@ class CompactConfig:
         window = "auto" if self.union_window is None else self.union_window
         return (f"selector={self.selector!r}({p}), page {self.block_size}, sink {self.sink_blocks}, "
                 f"recent {self.recent_blocks}, union_window {window}, min_context {gate}, dense_tail "
-                f"{self.dense_tail}, density_cap {self.density_cap}, prefill_kernel {self.prefill_kernel}")
+                f"{self.dense_tail}, density_cap {self.density_cap}, prefill_kernel {self.prefill_kernel}"
+                + (f", recall every {self.recall_every} sparse passes" if self.recall_every else ""))

@@ -130,6 +130,7 @@ def metric_value(text: str, name: str, label: str = "") -> float:
     (["--compact-alpha", "-0.5"], "--compact-selector-params['alpha']: must be a number in [0.0, 1.0]"),
     (["--compact-density", "0.2"], "--compact-density sets the budget selector's density: add --compact-selector budget"),
     (["--compact-sink-blocks", "-2"], "--compact-sink-blocks: must be an integer >= 0"),
+    (["--compact-recall-every", "-3"], "--compact-recall-every: must be an integer >= 0"),
     (["--compact-prefill-kernel", "fa4"], "invalid choice: 'fa4'"),
     (["--compact-selector-module", "no_such_module_xyz"], "selector module 'no_such_module_xyz' could not be imported"),
     (["--attention-backend", "torch_native", "--compact-alpha", "0.1"], "--compact-* flags need --attention-backend compact"),

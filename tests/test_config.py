@@ -22,6 +22,8 @@ def test_defaults_valid():
     ({"sink_blocks": -1}, "sink_blocks", ">= 0"),
     ({"recent_blocks": -1}, "recent_blocks", ">= 0"),
     ({"dense_tail": -5}, "dense_tail", ">= 0"),
+    ({"recall_every": -1}, "recall_every", ">= 0"),
+    ({"recall_every": 2.5}, "recall_every", ">= 0"),
     ({"min_context": -5}, "min_context", ">= 0"),
     ({"min_context": 1.5}, "min_context", ">= 0"),
     ({"prefill_kernel": "fa4"}, "prefill_kernel", "one of auto, fa2, fa3"),

@@ -2,6 +2,8 @@
 plans made once per forward pass against fresh ones, no-sync index building, and every Triton kernel
 against its torch twin. Run with `pytest -m gpu tests/test_gpu_core.py` on the GPU host."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -211,6 +213,25 @@ def test_selecting_pages_never_syncs(selector):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert rel_err(out, reference_attention(b, sel.table)) <= 1e-2
+
+
+def test_mass_recall_never_syncs_and_matches_the_cpu():
+    """The recall telemetry (`--compact-recall-every`) on the GPU: no host sync, the CPU's values."""
+    from sglang_compact.compact import mass_recall
+    b = gpu_batch([65536 + 11, 30000], [1024, 1024], 32, 8, 128, seed=12)
+    ca = CompactAttention(CompactConfig(block_size=P))
+    sel = ca.select_pages(b, 0, batch_summaries(b))
+    mass_recall(b, sel.table, 3)  # warm-up
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = mass_recall(b, sel.table, 3)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    cpu = dataclasses.replace(b, q=b.q.cpu(), k_pool=b.k_pool.cpu(), v_pool=b.v_pool.cpu(),
+                              page_table=b.page_table.cpu(), derived={})
+    torch.testing.assert_close(got.cpu(), mass_recall(cpu, sel.table.cpu(), 3), rtol=1e-3, atol=1e-4)
+    assert ((got > 0) & (got <= 1 + 1e-5)).all()
 
 
 @pytest.mark.parametrize("seed", range(8))

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from sglang_compact.batch import ChunkBatch, cdiv
-from sglang_compact.compact import CompactAttention
+from sglang_compact.compact import CompactAttention, mass_recall
 from sglang_compact.config import CompactConfig
 from sglang_compact.executors import ForwardShape, TorchExecutor, reference_attention
 from sglang_compact.selectors.base import forced_count, row_budget
@@ -244,3 +244,31 @@ def test_a_q_blocks_pages_and_outputs_do_not_depend_on_the_chunking(selector, pa
     assert read < sum(t.numel() for t in base_tables.values())  # something was actually skipped
 
 
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_mass_recall_is_the_attention_share_of_the_selected_pages(seed):
+    """For each sparse window, the softmax mass of its last query (group's first head) that the row's pages hold,
+    against a float64 computation from every token's own score; 1.0 for the full table; an empty row reads 0."""
+    b = make_batch(seed)
+    qb = b.qblocks
+    sel = CompactAttention(cfg("flashprefill", params={"alpha": 0.6})).select_pages(b)
+    G = b.group_size
+    for g in range(b.num_kv_heads):
+        got = mass_recall(b, sel.table, g)
+        want = []
+        for w in [w for w, sp in enumerate(qb.w_sparse) if sp]:
+            r, pos = qb.w_req[w], qb.w_pos[w] + qb.w_length[w] - 1
+            q = b.q[qb.w_start[w] + qb.w_length[w] - 1, g * G].double()
+            k = b.context_keys(r)[g, :pos + 1].double()
+            p = torch.softmax(k @ q * b.sm_scale, 0)
+            chosen = sel.table[g, w][torch.arange(pos + 1) // P]
+            want.append(p[chosen].sum())
+        assert got is not None and len(want) == got.numel() > 0
+        torch.testing.assert_close(got.double(), torch.stack(want), rtol=1e-5, atol=1e-6)
+        if seed == 0:  # the check is not vacuous: at alpha 0.6 some window's selection misses mass
+            assert (got < 1 - 1e-4).any()
+        torch.testing.assert_close(mass_recall(b, b.full_table(), g), torch.ones_like(got))
+        assert torch.equal(mass_recall(b, torch.zeros_like(sel.table), g), torch.zeros_like(got))
+    dense = make_batch(seed, sparse_ranges=[(0, 0)] * 4)
+    assert mass_recall(dense, dense.full_table(), 0) is None

@@ -70,6 +70,21 @@ def test_flush_summarises_the_previous_forward_pass():
     assert t.flush() is None
 
 
+def test_recall_is_summarised_with_the_pass_that_measured_it():
+    metrics = RecordingMetrics()
+    t = CompactTelemetry(num_layers=2, metrics=metrics)
+    t.begin_forward([512], [128], {"sparse": 8}, 128)
+    t.record(0, d(0.4))
+    t.record_recall(torch.tensor([0.9, 0.6, 0.75]))
+    t.record(1, d(0.6))
+    s = t.flush()
+    assert s["recall"] == pytest.approx(0.75) and s["recall_min"] == pytest.approx(0.6)
+    assert s["density"] == pytest.approx(0.5) and s["coverage"] == 1.0
+    t.begin_forward([640], [128], {"sparse": 8}, 128)
+    t.record(0, d(0.3))
+    assert t.flush()["recall"] is None  # a pass that did not measure reports none
+
+
 def test_nothing_is_read_when_no_one_reads_it():
     t = CompactTelemetry(2, metrics=None)
     assert not t.wants_stats()
@@ -94,6 +109,7 @@ def test_metrics_in_multiprocess_mode(tmp_path):
             t.begin_forward([512], [128], {"sparse": 8, "dense_tail": 2}, 128)
             for layer in range(3):
                 t.record(layer, torch.tensor(0.1 * (layer + 1), dtype=torch.float64))
+            t.record_recall(torch.tensor([0.8, 0.95]))
         t.flush()
         reg = CollectorRegistry()
         multiprocess.MultiProcessCollector(reg)
@@ -112,6 +128,8 @@ def test_metrics_in_multiprocess_mode(tmp_path):
     assert samples[("sglang:compact_gate_min_context", ())] == 4096
     assert samples[("sglang:compact_density", (("layer", "2"),))] == pytest.approx(0.3)
     assert samples[("sglang:compact_density_forward_count", ())] == 2
+    assert samples[("sglang:compact_recall", ())] == pytest.approx(0.875)
+    assert samples[("sglang:compact_recall_min", ())] == pytest.approx(0.8)
     assert list(tmp_path.glob("*.db"))  # really the multiprocess files
 
 
@@ -137,7 +155,8 @@ def test_metrics_endpoint_of_a_compact_server():
     rng = random.Random(3)
     ids = [rng.randrange(200, 40000) for _ in range(800)]  # 7 chunks of 128 tokens, pages of 16
     args = ["--attention-backend", "compact", "--compact-selector", "flashprefill", "--compact-min-context", "256",
-            "--compact-dense-tail", "100", "--compact-density-cap", "0.5", "--enable-metrics"]
+            "--compact-dense-tail", "100", "--compact-density-cap", "0.5", "--enable-metrics",
+            "--compact-recall-every", "1"]
     with SGLangServer(model, module="sglang_compact.launch_server", page_size=16, chunked_prefill_size=128,
                       extra_args=args) as srv:
         before = parse_metrics(srv.get_text("/metrics"))   # (health checks may have run a token or two)
@@ -163,3 +182,6 @@ def test_metrics_endpoint_of_a_compact_server():
     for layer in range(num_layers):
         assert 0 < samples[("sglang:compact_density", (("layer", str(layer)),))] <= 1
     assert samples[("sglang:compact_density_forward_count", ())] == passes
+    # every sparse pass measured one layer's mass recall (the share of attention its capped selection reads)
+    recall, recall_min = samples[("sglang:compact_recall", ())], samples[("sglang:compact_recall_min", ())]
+    assert 0 < recall_min <= recall + 1e-6 and recall <= 1 + 1e-5, (recall_min, recall)  # float32 sums

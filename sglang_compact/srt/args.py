@@ -67,6 +67,9 @@ def add_compact_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--compact-prefill-kernel", default=d.prefill_kernel, choices=PREFILL_KERNELS,
                    help="FlashInfer kernel on CUDA: auto (default: fa3 on Hopper where one plan serves every layer, "
                         "else fa2), fa2, fa3")
+    g.add_argument("--compact-recall-every", type=int, default=d.recall_every, metavar="N",
+                   help="every N-th sparse forward pass, one layer measures how much of its attention mass the "
+                        "selection reads (sglang:compact_recall on /metrics; needs --enable-metrics; default 0: off)")
     g.add_argument("--compact-block-size", type=int, default=None,
                    help="must equal --page-size if given (a block is one KV page)")
 
@@ -111,7 +114,7 @@ def build_config(ns: argparse.Namespace, page_size: int) -> CompactConfig:
                          recent_blocks=ns.compact_recent_blocks, union_window=ns.compact_union_window,
                          min_context=ns.compact_min_context,
                          dense_tail=ns.compact_dense_tail, density_cap=ns.compact_density_cap,
-                         prefill_kernel=ns.compact_prefill_kernel)
+                         prefill_kernel=ns.compact_prefill_kernel, recall_every=ns.compact_recall_every)
 
 
 def config_error_message(e: ValueError) -> str:

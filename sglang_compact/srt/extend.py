@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from sglang_compact.batch import ChunkBatch, QBlocks
+from sglang_compact.compact import mass_recall
 from sglang_compact.executors import ForwardShape
 from sglang_compact.summaries import store_kv
 from sglang_compact.srt import compat
@@ -26,6 +27,7 @@ from sglang_compact.srt.runtime import CompactRuntime
 class ExtendMetadata:
     template: ChunkBatch   # lengths, q-blocks and page table of the pass; each layer swaps in its tensors
     sparse: bool           # some q-block reads a selection
+    recall: tuple[int, int] | None = None   # (layer, kv head) that measures its selection's mass recall
 
 
 class ExtendPlanner:
@@ -33,6 +35,7 @@ class ExtendPlanner:
         self.rt = rt
         v = rt.view
         self._q_stub = torch.empty(0, rt.num_q_heads, v.head_dim, dtype=v.kv_dtype, device=v.device)
+        self._sparse_passes = 0
 
     def plan(self, fb) -> ExtendMetadata:
         rt = self.rt
@@ -52,7 +55,18 @@ class ExtendPlanner:
         if rt.telemetry.wants_stats():
             rt.telemetry.begin_forward(prefix, chunk, self._paths(qb),
                                        sum(n for n, s in zip(qb.w_length, qb.w_sparse) if s))
-        return ExtendMetadata(template, qb.any_sparse)
+        return ExtendMetadata(template, qb.any_sparse, self._recall_target() if qb.any_sparse else None)
+
+    def _recall_target(self) -> tuple[int, int] | None:
+        """Every `recall_every`-th sparse pass (when its stats are read): the layer and kv head that measure the
+        selection's mass recall, each in turn."""
+        rt, every = self.rt, self.rt.config.recall_every
+        k = self._sparse_passes
+        self._sparse_passes += 1
+        if not every or k % every or not rt.telemetry.wants_stats():
+            return None
+        m = k // every
+        return m % rt.view.num_layers, m % rt.view.num_kv_heads
 
     def _paths(self, qb: QBlocks) -> dict[str, int]:
         """q-blocks per path of their window (telemetry): sparse, or dense and why."""
@@ -94,6 +108,8 @@ class ExtendPlanner:
             sel = rt.compact.select_pages(batch, li, summaries, buffers=rt.executor.index_buffers,
                                           with_stats=rt.telemetry.wants_stats())
             rt.telemetry.record(li, sel.density, sel.coverage)
+            if md.recall is not None and md.recall[0] == li:
+                rt.telemetry.record_recall(mass_recall(batch, sel.table, md.recall[1]))
             o = rt.executor.run(batch, sel.indices)
         if o.dtype != q.dtype:
             o = o.to(q.dtype)

@@ -102,6 +102,9 @@ class CompactRuntime:
             summaries = PageSummaries(view.num_layers, view.num_pages, view.num_kv_heads, view.head_dim, view.device)
         metrics = metrics_for(view.enable_metrics, view.metric_labels, view.num_layers,
                               None if gate.decision.never else gate.decision.min_context)
+        if config.recall_every and metrics is None:
+            logger.warning("sglang_compact: --compact-recall-every %d is read through /metrics: add --enable-metrics "
+                           "(nothing is measured without it, unless debug logging is on)", config.recall_every)
         NOTES.enable()
         alignment.activate(gate)
         rt = cls(config, view, compat.kv_pool(model_runner), compat.req_to_token(model_runner), h_q, scale, compact,

@@ -24,6 +24,10 @@ Series (labels: SGLang's `model_name`, `tp_rank`, plus those below):
                                             `dense_tail` (in the prompt's dense tail), `dense` (selector dense)
   sglang:compact_tokens_total               counter, tokens of sparse q-blocks
   sglang:compact_gate_min_context           gauge, context (tokens) from which q-blocks go sparse; -1: never
+  sglang:compact_recall                     gauge, latest measured pass (`--compact-recall-every`): mean over its
+                                            sparse windows of the attention mass their selection reads (one
+                                            layer, one kv head, each window's last query; 1.0: nothing missed)
+  sglang:compact_recall_min                 gauge, the same pass's lowest window
 """
 
 from __future__ import annotations
@@ -60,6 +64,11 @@ class CompactMetrics:
         qblocks = Counter("sglang:compact_qblocks", "Chunk q-blocks (the chunk's tokens in one page) by path.",
                           labelnames=names + ["path"], **kw)
         tokens = Counter("sglang:compact_tokens", "Tokens of sparse q-blocks.", labelnames=names, **kw)
+        recall = Gauge("sglang:compact_recall", "Attention mass the selection reads (mean over the sparse windows "
+                       "of the latest measured pass; --compact-recall-every).", labelnames=names,
+                       multiprocess_mode="mostrecent", **kw)
+        recall_min = Gauge("sglang:compact_recall_min", "Attention mass the selection reads (lowest window of the "
+                           "latest measured pass).", labelnames=names, multiprocess_mode="mostrecent", **kw)
         gate = Gauge("sglang:compact_gate_min_context", "Context (tokens) from which q-blocks read a selection; "
                      "-1: never.", labelnames=names, multiprocess_mode="mostrecent", **kw)
         # label children resolved once: the per-forward update is plain float writes
@@ -69,6 +78,8 @@ class CompactMetrics:
         self._passes = passes.labels(**self.labels)
         self._qblocks = {p: qblocks.labels(**self.labels, path=p) for p in PATHS}
         self._tokens = tokens.labels(**self.labels)
+        self._recall = recall.labels(**self.labels)
+        self._recall_min = recall_min.labels(**self.labels)
         gate.labels(**self.labels).set(-1 if min_context is None else min_context)
 
     def observe(self, summary: dict) -> None:
@@ -85,6 +96,9 @@ class CompactMetrics:
         self._coverage.set(summary["coverage"])
         self._passes.inc()
         self._tokens.inc(summary["sparse_tokens"])
+        if summary["recall"] is not None:
+            self._recall.set(summary["recall"])
+            self._recall_min.set(summary["recall_min"])
 
 
 def metrics_for(enable_metrics: bool, labels: dict, num_layers: int, min_context: int | None):
@@ -104,6 +118,7 @@ class CompactTelemetry:
         self.metrics = metrics
         self._density: dict[int, torch.Tensor] = {}
         self._coverage: dict[int, torch.Tensor] = {}
+        self._recall: torch.Tensor | None = None
         self._pass: dict | None = None
         self.totals = {"forward_passes": 0, "sparse_qblocks": 0, "sparse_tokens": 0}
         self.last_summary: dict | None = None
@@ -118,6 +133,10 @@ class CompactTelemetry:
         self._pass = dict(prefix_lens=list(prefix_lens), chunk_lens=list(chunk_lens),
                           qblocks={p: int(qblock_paths.get(p, 0)) for p in PATHS}, sparse_tokens=int(sparse_tokens))
 
+    def record_recall(self, values: torch.Tensor | None) -> None:
+        """The mass recall of this pass's sparse windows (float [S], device), from the one layer measured."""
+        self._recall = values
+
     def record(self, layer: int, density: torch.Tensor | None, coverage: torch.Tensor | None = None) -> None:
         if density is not None:
             self._density[layer] = density
@@ -128,16 +147,21 @@ class CompactTelemetry:
         """Summarise the previous forward pass: one device->host copy of all its scalars, and none at all
         when neither metrics nor debug logging would use them."""
         p, self._pass = self._pass, None
-        density, coverage = self._density, self._coverage
-        self._density, self._coverage = {}, {}
+        density, coverage, recall = self._density, self._coverage, self._recall
+        self._density, self._coverage, self._recall = {}, {}, None
         if p is None or not self.wants_stats():
             return None
         layers = sorted(density)
         scalars = [density[i] for i in layers] + list(coverage.values())
+        if recall is not None:
+            scalars += [recall.mean(), recall.min()]
         values = torch.stack([torch.as_tensor(x, dtype=torch.float64) for x in scalars]).tolist() if scalars else []
+        recall_mean, recall_min = values[-2:] if recall is not None else (None, None)
+        if recall is not None:
+            values = values[:-2]
         per_layer = dict(zip(layers, values[:len(layers)]))
         summary = dict(p, per_layer=per_layer, density=sum(per_layer.values()) / len(per_layer) if per_layer else None,
-                       coverage=min(values[len(layers):], default=1.0))
+                       coverage=min(values[len(layers):], default=1.0), recall=recall_mean, recall_min=recall_min)
         if summary["density"] is not None:
             self.totals["forward_passes"] += 1
             self.totals["sparse_tokens"] += p["sparse_tokens"]
@@ -145,8 +169,10 @@ class CompactTelemetry:
         self.last_summary = summary
         if logger.isEnabledFor(logging.DEBUG):
             d = summary["density"]
-            logger.debug("compact pass: prefix=%s chunk=%s q-blocks %s density %s coverage %.3f", p["prefix_lens"],
-                         p["chunk_lens"], p["qblocks"], "n/a" if d is None else f"{d:.3f}", summary["coverage"])
+            r = summary["recall"]
+            logger.debug("compact pass: prefix=%s chunk=%s q-blocks %s density %s coverage %.3f recall %s",
+                         p["prefix_lens"], p["chunk_lens"], p["qblocks"], "n/a" if d is None else f"{d:.3f}",
+                         summary["coverage"], "n/a" if r is None else f"{r:.3f} (min {summary['recall_min']:.3f})")
         if self.metrics is not None:
             try:
                 self.metrics.observe(summary)
