@@ -14,7 +14,7 @@ import pytest
 
 from harness.eval import methods as M
 from harness.eval.rows import HF_DENSITY_SOURCE, SERVER_DENSITY_SOURCE
-from harness.eval.tasks import Sample
+from harness.eval.tasks import TASKS, Sample
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -56,7 +56,10 @@ def test_dry_run_prints_the_plan(acc, tmp_path, capsys):
     assert sorted(int(c.split("--port ")[1].split()[0]) for c in cmds) == list(range(31000, 31007))
     assert "--compact-selector-params '{\"alpha\": 0.4}'" in out
     assert "--hf-worker" in out and "--dry-run --hf-worker" not in out
-    assert out.count("length   8192") == 7 and "21. length   8192  vt" in out
+    # every task at each default length, lengths outer: vt is the 7th task of the third length
+    tasks = list(TASKS)
+    assert out.count("length   8192") == len(tasks)
+    assert f"{2 * len(tasks) + tasks.index('vt') + 1}. length   8192  vt" in out
     assert not (tmp_path / "accuracy.json").exists()
 
 
