@@ -21,8 +21,9 @@ round is its slowest request; the row takes the median. With
 `--profile-steps` one more round runs under SGLang's profiler and `scripts/trace_summary.py` summarises
 the trace (kernel launches and host time per layer). A compact
 server runs with `--enable-metrics`: the density of its round (mean over its sparse forward passes of
-the pages read over the context pages; 1.0 when nothing went sparse) and the fraction of its q-blocks
-that went sparse are read from `/metrics` around the round.
+the pages read over the context pages; 1.0 when nothing went sparse), the fraction of its q-blocks
+that went sparse and the fraction the gate turned dense from their observed density are read from
+`/metrics` around the round.
 
 Methods: `flashinfer`, `fa3` (stock SGLang backends); `compact` (its defaults), `compact-dense`
 (`--compact-selector dense`), `compact-budget-D` (`budget` at density D), any of them with
@@ -83,7 +84,7 @@ def method_args(method: str) -> tuple[str, list[str]]:
 def compact_counters(srv) -> dict:
     """The compact series needed for a round's density, summed over their label sets."""
     want = {"sglang:compact_density_forward_sum": "dsum", "sglang:compact_density_forward_count": "dcount"}
-    out = {"dsum": 0.0, "dcount": 0.0, "sparse": 0.0, "qblocks": 0.0}
+    out = {"dsum": 0.0, "dcount": 0.0, "sparse": 0.0, "dense_density": 0.0, "qblocks": 0.0}
     for line in srv.metrics().splitlines():
         if not line.startswith("sglang:compact_"):
             continue
@@ -94,6 +95,8 @@ def compact_counters(srv) -> dict:
             out["qblocks"] += value
             if 'path="sparse"' in line:
                 out["sparse"] += value
+            elif 'path="dense_density"' in line:
+                out["dense_density"] += value
     return out
 
 
@@ -203,6 +206,7 @@ def main() -> int:
                 times = {m: [] for m in servers}
                 dens = {m: [] for m in servers}
                 frac = {m: [] for m in servers}
+                fell = {m: [] for m in servers}
                 for _ in range(a.reps):
                     for method, srv in servers.items():
                         compact = method.startswith("compact")
@@ -214,12 +218,14 @@ def main() -> int:
                             dens[method].append((after["dsum"] - before["dsum"]) / dc if dc else 1.0)
                             dq = after["qblocks"] - before["qblocks"]
                             frac[method].append((after["sparse"] - before["sparse"]) / dq if dq else 0.0)
+                            fell[method].append((after["dense_density"] - before["dense_density"]) / dq if dq else 0.0)
                 for method, srv in servers.items():
                     compact = method.startswith("compact")
                     row = {"bench": "ttft", "model": name, "context": ctx, "chunk": chunk, "batch": bsz,
                            "tp": a.tp, "method": method,
                            "density": statistics.median(dens[method]) if compact else 1.0,
                            "sparse_qblocks": statistics.median(frac[method]) if compact else 0.0,
+                           "dense_density_qblocks": statistics.median(fell[method]) if compact else 0.0,
                            "ms": 1000 * statistics.median(times[method]),
                            "ms_all": [round(1000 * t, 1) for t in times[method]],
                            "speedup_vs_flashinfer": None, "prefill_graphs": not a.no_prefill_graphs,
@@ -227,7 +233,8 @@ def main() -> int:
                            "gpu": gpu, "date": date, "cmd": cmd}
                     rows.append(row)
                     print(f"{method} chunk {chunk} ctx {ctx} batch {bsz}: {row['ms']:.1f} ms (all {row['ms_all']}) "
-                          f"density {row['density']:.3f} sparse q-blocks {row['sparse_qblocks']:.2f}", flush=True)
+                          f"density {row['density']:.3f} sparse q-blocks {row['sparse_qblocks']:.2f} dense by density "
+                          f"{row['dense_density_qblocks']:.2f}", flush=True)
                 if a.profile_steps:
                     for method, srv in servers.items():
                         profile(srv, method, chunk, ctx, bsz, statistics.median(times[method]))
@@ -318,12 +325,12 @@ def main() -> int:
     old = json.loads(path.read_text()) if path.exists() else []
     path.write_text(json.dumps(old + rows, indent=1))
     lines = [f"# Time to first token: {name} ({gpu}, {date})", "", f"Command: `{cmd}`", "",
-             "| context | chunk | batch | method | density | sparse q-blocks | TTFT ms (median) | vs flashinfer |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| context | chunk | batch | method | density | sparse q-blocks | dense by density | TTFT ms (median) | "
+             "vs flashinfer |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         sp = f"{r['speedup_vs_flashinfer']:.2f}" if r["speedup_vs_flashinfer"] else ""
         lines.append(f"| {r['context']} | {r['chunk']} | {r['batch']} | {r['method']} | {r['density']:.2f} | "
-                     f"{r['sparse_qblocks']:.2f} | {r['ms']:.1f} | {sp} |")
+                     f"{r['sparse_qblocks']:.2f} | {r.get('dense_density_qblocks', 0.0):.2f} | {r['ms']:.1f} | {sp} |")
     (out / f"{a.name}.md").write_text("\n".join(lines) + "\n")
     if profiles:
         (out / f"profile_{a.name}.json").write_text(json.dumps(profiles, indent=1))

@@ -45,6 +45,7 @@ k_pool=...)`, which keeps the template's `derived` store (see `ChunkBatch.memo`)
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
@@ -195,6 +196,55 @@ class QBlocks:
     def full_counts(self) -> list[int]:
         """Pages a dense row of each window reads: last + 1."""
         return [a + 1 for a in self.w_last]
+
+    @property
+    def dense_apart(self) -> tuple[bool, ...]:
+        """Per window: computed apart from the rows, by one causal pass over its whole context: the dense
+        windows of a pass in which some window is sparse (their rows name only their own pages, so a mixed
+        pass pays the rows' kernel only for its sparse windows)."""
+        if not self.any_sparse:
+            return (False,) * self.windows
+        return tuple(not s for s in self.w_sparse)
+
+    def row_counts(self, counts: Sequence[int]) -> list[int]:
+        """Pages the rows' paged indices name, from the pages each window's row reads (`counts`, rows
+        r = g * NW + w): a window computed apart names its own pages only, first..last."""
+        apart = self.dense_apart
+        NW = self.windows
+        return [c - self.w_first[r % NW] if apart[r % NW] else c for r, c in enumerate(counts)]
+
+    def rows_bound(self) -> list[int]:
+        """Per window, the most pages its row's indices name (`full_counts`, own pages only when apart)."""
+        return self.row_counts(self.full_counts())
+
+    def apart_segments(self) -> list[tuple[int, int, int, int]]:
+        """The windows computed apart as (request, first token in q, tokens, absolute position of the first),
+        consecutive windows of a request merged: each segment is one causal "request" of the dense kernel."""
+        out: list[list[int]] = []
+        for w, apart in enumerate(self.dense_apart):
+            if not apart:
+                continue
+            b, st, n, pos = self.w_req[w], self.w_start[w], self.w_length[w], self.w_pos[w]
+            if out and out[-1][0] == b and out[-1][1] + out[-1][2] == st:
+                out[-1][2] += n
+            else:
+                out.append([b, st, n, pos])
+        return [tuple(x) for x in out]
+
+    def window_density(self, counts: Sequence[int], num_kv_heads: int) -> list[float]:
+        """Per window: the share of its context pages (0..last) its rows read, mean over the kv heads, from the
+        pages each row reads (`counts`, rows r = g * NW + w)."""
+        NW = self.windows
+        return [sum(counts[g * NW + w] for g in range(num_kv_heads)) / (num_kv_heads * (last + 1))
+                for w, last in enumerate(self.w_last)]
+
+    def with_dense(self, windows) -> "QBlocks":
+        """These q-blocks with the given windows (indices) dense: they read every page."""
+        drop = set(windows)
+        if not drop:
+            return self
+        return dataclasses.replace(self, w_sparse=tuple(s and w not in drop for w, s in enumerate(self.w_sparse)),
+                                   device_arrays={})
 
     def last_page_len(self) -> list[int]:
         """Tokens of each window's last page (its row's last page) that its last query sees."""

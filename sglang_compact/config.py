@@ -50,6 +50,12 @@ class CompactConfig:
             sparse path is predicted to be faster on this GPU for this model.
         dense_tail: the last `dense_tail` prompt tokens read every page (the
             question of a long-context prompt), >= 0.
+        dense_above: a sparse window whose selection at the pass's first layer
+            reads more than this share of its context pages (mean over the kv
+            heads) reads every page instead, in every layer: where the sparse
+            rows would cost more than the dense pass they replace. In [0, 1]
+            (1: never); None (the default): the cost model's break-even density
+            on this GPU (`sglang_compact.gate`), never without one.
         density_cap: optional upper bound on each row's density, in (0, 1].
         prefill_kernel: FlashInfer backend on CUDA: "fa2", "fa3" (Hopper; planned
             once per forward pass only when the row lengths are known on the host:
@@ -71,6 +77,7 @@ class CompactConfig:
     union_window: int | None = None
     min_context: int | None = None
     dense_tail: int = 1024
+    dense_above: float | None = None
     density_cap: float | None = None
     prefill_kernel: str = "auto"
     recall_every: int = 0
@@ -98,6 +105,10 @@ class CompactConfig:
         mc = self.min_context
         if mc is not None and (isinstance(mc, bool) or not isinstance(mc, int) or mc < 0):
             _fail("min_context", "must be an integer >= 0, or None (the cost gate decides)", mc)
+        da = self.dense_above
+        if da is not None and (isinstance(da, bool) or not isinstance(da, (int, float)) or not (0.0 <= da <= 1.0)
+                               or math.isnan(da)):
+            _fail("dense_above", "must be in [0, 1] or None (the cost model decides)", da)
         if self.prefill_kernel not in PREFILL_KERNELS:
             _fail("prefill_kernel", f"must be one of {', '.join(PREFILL_KERNELS)}", self.prefill_kernel)
         cap = self.density_cap
@@ -141,5 +152,5 @@ class CompactConfig:
         window = "auto" if self.union_window is None else self.union_window
         return (f"selector={self.selector!r}({p}), page {self.block_size}, sink {self.sink_blocks}, "
                 f"recent {self.recent_blocks}, union_window {window}, min_context {gate}, dense_tail "
-                f"{self.dense_tail}, density_cap {self.density_cap}, prefill_kernel {self.prefill_kernel}"
+                f"{self.dense_tail}, dense_above {'auto' if self.dense_above is None else self.dense_above}, density_cap {self.density_cap}, prefill_kernel {self.prefill_kernel}"
                 + (f", recall every {self.recall_every} sparse passes" if self.recall_every else ""))

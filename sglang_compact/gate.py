@@ -11,6 +11,16 @@ All three depend only on absolute positions and the server's configuration,
 never on how a prompt was cut into chunks or batched, so a request's answer
 does not depend on what was cached before it.
 
+A sparse window whose selection turns out dense reads every page instead
+(`dense_windows`): at the forward pass's first layer, where its row would read
+more than `dense_above` of its context pages (mean over the kv heads), the
+window is dense in every layer of the pass. That density depends only on the
+window's queries and the keys before it, so the decision too is independent of
+chunking and batching. `dense_above` is `--compact-dense-above`, else the cost
+model's break-even density (`CostModel.break_even_density`): where the rows'
+kernel reading that share of the pages, plus the search, costs what the dense
+kernel costs for all of them.
+
 `min_context` is the `--compact-min-context` flag when given; otherwise the
 break-even context of the cost model: per layer, the sparse path costs its
 search, its attention over the expected density of pages and a fixed
@@ -92,6 +102,16 @@ class CostModel:
         return best
 
 
+    def break_even_density(self, shape: ModelShape, dense_kernel: str, rows_kernel: str,
+                           query_stride: int = 1) -> float:
+        """The density below which a window's sparse rows (search included, GPU time) are predicted faster than
+        its dense attention by `margin`; per window both scale with its context, so one number serves every
+        context. 0.0 when the rows never pay."""
+        rows = self.rows_flops[rows_kernel]
+        search = rows / (query_stride * shape.page_size * self.search_flops) if self.search_flops else 0.0
+        return max(0.0, min(1.0, (1 - self.margin) * rows / self.dense_flops[dense_kernel] - search))
+
+
 def load_cost_models() -> dict[str, CostModel]:
     text = resources.files("sglang_compact").joinpath("data/cost_model.json").read_text()
     return {name: CostModel(gpu=name, **entry) for name, entry in json.loads(text)["gpus"].items()}
@@ -119,27 +139,52 @@ class GateDecision:
 class Gate:
     """Per-window sparse-or-dense decisions of one server (see the module docstring)."""
 
-    def __init__(self, config, decision: GateDecision, window_tokens: int | None = None):
+    def __init__(self, config, decision: GateDecision, window_tokens: int | None = None,
+                 dense_above: float | None = None, dense_above_source: str = ""):
         self.config = config
         self.decision = decision
         self.window = window_tokens or config.window_tokens(None)
+        if dense_above is None:
+            dense_above = 1.0 if config.dense_above is None else config.dense_above
+            dense_above_source = dense_above_source or ("never" if config.dense_above is None else "flag")
+        #: a sparse window whose first-layer selection reads more than this share of its pages reads every page
+        self.dense_above = float(dense_above)
+        self.dense_above_source = dense_above_source
+
+    @property
+    def observes_density(self) -> bool:
+        """Whether a sparse window can still turn dense from its observed density (`dense_windows`)."""
+        return self.dense_above < 1.0
+
+    def dense_windows(self, qblocks, window_density) -> list[int]:
+        """The sparse windows (indices into `qblocks`' windows) whose observed density (`window_density[w]`: the
+        share of its context pages its row reads, mean over the kv heads) is above `dense_above`."""
+        return [w for w, (s, d) in enumerate(zip(qblocks.w_sparse, window_density)) if s and d > self.dense_above]
 
     @classmethod
     def for_server(cls, config, shape: ModelShape, chunk_size: int | None, device_name: str | None,
-                   kernel: str, max_context: int) -> "Gate":
-        """The gate of a server: the flag, else the cost model of this GPU, else the fallback."""
+                   kernel: str, max_context: int, rows_kernel: str | None = None) -> "Gate":
+        """The gate of a server: the flag, else the cost model of this GPU, else the fallback. `kernel`: the
+        dense passes' FlashInfer kernel; `rows_kernel`: the sparse rows' (default: the same)."""
         spec = config.spec
         window = config.window_tokens(chunk_size)
-        if config.selector == "dense":
-            return cls(config, GateDecision(NEVER, "selector dense", "selector 'dense' reads every page"), window)
-        if config.min_context is not None:
-            return cls(config, GateDecision(config.min_context, "flag", f"--compact-min-context {config.min_context}"),
-                       window)
         model = cost_model_for(device_name)
+        above, above_source = None, ""
+        if config.dense_above is None and model is not None:
+            rk = rows_kernel or kernel
+            qs = getattr(config.params, "query_stride", 1)
+            above = model.break_even_density(shape, kernel, rk, qs)
+            above_source = f"cost model {model.gpu}: {kernel} dense vs {rk} rows"
+
+        def gate(decision):
+            return cls(config, decision, window, above, above_source)
+        if config.selector == "dense":
+            return gate(GateDecision(NEVER, "selector dense", "selector 'dense' reads every page"))
+        if config.min_context is not None:
+            return gate(GateDecision(config.min_context, "flag", f"--compact-min-context {config.min_context}"))
         if model is None:
-            return cls(config, GateDecision(FALLBACK_MIN_CONTEXT, "fallback",
-                                            f"no cost model for {device_name or 'this device'}: "
-                                            f"min_context {FALLBACK_MIN_CONTEXT}"), window)
+            return gate(GateDecision(FALLBACK_MIN_CONTEXT, "fallback", f"no cost model for "
+                                     f"{device_name or 'this device'}: min_context {FALLBACK_MIN_CONTEXT}"))
         density = spec.expected_density(config.params)
         chunk = chunk_size if chunk_size and chunk_size > 0 else 8192
         qs = getattr(config.params, "query_stride", 1)
@@ -149,9 +194,8 @@ class Gate:
                   f"head_dim {shape.head_dim}, page {shape.page_size}, chunk {chunk}, expected density "
                   f"{density:.2f}, kernel {kernel}: ")
         if be is None:
-            return cls(config, GateDecision(NEVER, "cost model", detail + f"never pays up to {max_context} tokens"),
-                       window)
-        return cls(config, GateDecision(be, "cost model", detail + f"pays from {be} tokens of context"), window)
+            return gate(GateDecision(NEVER, "cost model", detail + f"never pays up to {max_context} tokens"))
+        return gate(GateDecision(be, "cost model", detail + f"pays from {be} tokens of context"))
 
     def sparse_range(self, prompt_len: int | None) -> tuple[int, int]:
         """[lo, hi): the absolute windows that read a selection, for a prompt of `prompt_len` tokens (None:
@@ -174,7 +218,10 @@ class Gate:
     def describe(self) -> str:
         d = self.decision
         where = "never" if d.never else f"from {d.min_context} tokens of context"
-        return (f"sparse {where} ({d.source}: {d.detail}); union window {self.window} tokens; dense tail "
+        above = (f"windows reading more than {self.dense_above:.2f} of their pages at the first layer read every "
+                 f"page ({self.dense_above_source})" if self.observes_density else
+                 f"no observed-density fallback ({self.dense_above_source})")
+        return (f"sparse {where} ({d.source}: {d.detail}); {above}; union window {self.window} tokens; dense tail "
                 f"{self.config.dense_tail} tokens")
 
 

@@ -66,13 +66,33 @@ class IndexBuffers:
 
 
 def index_bound(batch: ChunkBatch) -> int:
-    """Host bound on the pages all rows read: every row dense."""
-    return batch.num_kv_heads * sum(batch.qblocks.full_counts())
+    """Host bound on the pages all rows' indices name: every sparse row dense."""
+    return batch.num_kv_heads * sum(batch.qblocks.rows_bound())
+
+
+def rows_table(table: torch.Tensor, counts: torch.Tensor, batch: ChunkBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """What the rows' kernel reads of a table: a window computed apart (`QBlocks.dense_apart`: dense, in a pass
+    with sparse windows) keeps only its own pages; the executor computes its attention over every page in
+    its own pass. Unchanged when no window is apart."""
+    qb = batch.qblocks
+    apart = qb.dense_apart
+    if not any(apart):
+        return table, counts
+
+    def masks():
+        first = torch.tensor([f if a else 0 for f, a in zip(qb.w_first, apart)], dtype=torch.int32)
+        keep = torch.arange(table.shape[-1])[None, :] >= first[:, None]            # [NW, NKV]
+        return (keep.to(table.device, non_blocking=True),
+                first.repeat(table.shape[0]).to(counts.device, non_blocking=True))
+    keep, drop = batch.memo(("apart_rows", table.shape[0], table.shape[-1]), masks)
+    return table & keep[None], counts - drop
 
 
 def build_indices(table: torch.Tensor, counts: torch.Tensor, batch: ChunkBatch,
                   buffers: IndexBuffers | None = None) -> PagedIndices:
-    """The paged indices of a rows' table (bool [H_kv, NW, NKV], counts int32 [R])."""
+    """The paged indices of a rows' table (bool [H_kv, NW, NKV], counts int32 [R]); the rows of windows
+    computed apart name their own pages only (`rows_table`)."""
+    table, counts = rows_table(table, counts, batch)
     R = batch.num_rows
     row_req = batch.device_qblocks()["w_req"]
     if use_triton(table):

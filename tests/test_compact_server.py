@@ -127,6 +127,7 @@ def metric_value(text: str, name: str, label: str = "") -> float:
     (["--compact-block-size", "32"], "--compact-block-size 32 differs from --page-size 16: drop --compact-block-size"),
     (["--compact-min-context", "-1"], "must be 'auto' or a number of tokens >= 0"),
     (["--compact-min-prefix-len", "x"], "must be 'auto' or a number of tokens"),
+    (["--compact-dense-above", "2"], "must be 'auto' or a density in [0, 1]"),
     (["--compact-alpha", "-0.5"], "--compact-selector-params['alpha']: must be a number in [0.0, 1.0]"),
     (["--compact-density", "0.2"], "--compact-density sets the budget selector's density: add --compact-selector budget"),
     (["--compact-sink-blocks", "-2"], "--compact-sink-blocks: must be an integer >= 0"),
@@ -151,7 +152,7 @@ def test_help_lists_the_compact_flags_and_sglangs():
                        text=True, timeout=300, env=env, cwd=REPO_ROOT)
     assert r.returncode == 0, r.stderr[-3000:]
     for flag in ("--compact-selector", "--compact-density", "--compact-prefill-kernel", "--compact-min-context",
-                 "--compact-dense-tail", "--compact-selector-module"):
+                 "--compact-dense-tail", "--compact-dense-above", "--compact-selector-module"):
         assert flag in r.stdout
     assert "--chunked-prefill-size" in r.stdout and r.stdout.index("--compact-selector") < r.stdout.index(
         "--chunked-prefill-size")

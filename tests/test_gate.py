@@ -102,3 +102,45 @@ def test_the_exact_prefix_ends_at_the_last_sparse_window():
     assert exact_prefix_len(None, 20000) is None           # no compact backend in this process
     never = Gate(CompactConfig(block_size=64), GateDecision(NEVER, "selector dense", ""))
     assert exact_prefix_len(never, 20000) is None          # never sparse: every page read, all of it reusable
+
+
+def test_break_even_density_where_the_rows_stop_paying():
+    """Per window, rows reading density d of the pages (plus the search) against the dense kernel on all of them:
+    both scale with the context, so one density; slower rows kernels and finer searches lower it."""
+    m = model()
+    d = m.break_even_density(SHAPE_8B, "fa3", "fa2")
+    # rows at d cost (1 - margin) x dense: d * rows_cost + search = 0.9 * dense_cost, per unit of context
+    assert d == pytest.approx(0.9 * 330 / 500 - 330 / (64 * 100))
+    assert m.break_even_density(SHAPE_8B, "fa3", "fa3") > d                       # faster rows pay longer
+    assert m.break_even_density(SHAPE_8B, "fa2", "fa2") > d                       # against a slower dense kernel
+    assert m.break_even_density(SHAPE_8B, "fa3", "fa2", query_stride=4) > d       # a cheaper search
+    assert m.break_even_density(SHAPE_05B, "fa3", "fa2") < d                      # smaller pages: dearer search
+    assert model(search_flops=1e9).break_even_density(SHAPE_8B, "fa3", "fa2") == 0.0   # never pays
+    for name, shipped in load_cost_models().items():
+        assert 0.0 < shipped.break_even_density(SHAPE_8B, "fa3", "fa2") < 1.0, name
+
+
+def test_dense_above_sources_and_the_windows_it_turns_dense():
+    cfg = CompactConfig(block_size=64)
+    shipped = sorted(load_cost_models())[0]
+    auto = Gate.for_server(cfg, SHAPE_8B, 1024, shipped, "fa3", 131072, rows_kernel="fa2")
+    want = load_cost_models()[shipped].break_even_density(SHAPE_8B, "fa3", "fa2")
+    assert auto.dense_above == pytest.approx(want) and auto.observes_density and "fa2 rows" in auto.describe()
+    # the flag wins, whatever gates the context; no cost model and no flag: never
+    flag = Gate.for_server(cfg.replace(dense_above=0.6, min_context=5000), SHAPE_8B, 1024, shipped, "fa3", 131072)
+    assert flag.dense_above == 0.6 and flag.dense_above_source == "flag"
+    none = Gate.for_server(cfg, SHAPE_8B, 1024, "no such gpu", "fa3", 131072)
+    assert none.dense_above == 1.0 and not none.observes_density
+    assert not Gate.for_server(cfg.replace(dense_above=1.0), SHAPE_8B, 1024, shipped, "fa3", 131072).observes_density
+    with pytest.raises(ValueError, match="dense_above"):
+        cfg.replace(dense_above=1.5)
+    # only sparse windows turn dense, those reading more than dense_above (mean over the kv heads)
+    from sglang_compact.batch import QBlocks
+
+    qb = QBlocks.build([4096, 0], [2048, 1024], 64, 16, [(2, 100), (0, 0)])   # windows: 4, 5 sparse; 0 dense
+    assert qb.w_sparse == (True, True, False)
+    counts = [40, 90, 16, 30, 97, 16]            # rows g * 3 + w, 2 kv heads; windows read 0..79 / 0..95 / 0..15
+    dens = qb.window_density(counts, 2)
+    assert dens == pytest.approx([35 / 80, 93.5 / 96, 1.0])
+    assert flag.dense_windows(qb, dens) == [1]
+    assert qb.with_dense([1]).w_sparse == (True, False, False) and qb.with_dense([]) is qb

@@ -37,6 +37,21 @@ def gpu_batch(prefix, chunk, hq, hkv, d, seed, dtype=torch.bfloat16, page=P, spa
                         device=DEV, seed=seed, structured=True, sparse_ranges=sparse_ranges)
 
 
+def layers_of_one_pass(prefix, chunk, hq, hkv, d, seeds, **kw):
+    """One batch per layer of one forward pass: each layer's own queries and pool contents, on the first one's page
+    table (a pass plans once from one page table, as in the server)."""
+    first = gpu_batch(prefix, chunk, hq, hkv, d, seed=seeds[0], **kw)
+    out = [first]
+    for seed in seeds[1:]:
+        b = gpu_batch(prefix, chunk, hq, hkv, d, seed=seed, **kw)
+        k, v = torch.zeros_like(first.k_pool), torch.zeros_like(first.v_pool)
+        for r, E in enumerate(first.context_lens_cpu()):
+            dst, src = first.page_table[r, :cdiv(E, P)].long(), b.page_table[r, :cdiv(E, P)].long()
+            k[dst], v[dst] = b.k_pool[src], b.v_pool[src]
+        out.append(dataclasses.replace(first, q=b.q, k_pool=k, v_pool=v))
+    return out
+
+
 def executor(b, kernel="fa2"):
     return make_flashinfer_executor(kernel, DEV, max_rows=b.num_rows, max_indices=b.num_rows * b.qblocks.max_pages)
 
@@ -68,6 +83,43 @@ def test_rows_executor_matches_reference(context, hq, hkv, d, selector, kernel):
     print(f"{kernel} context={context} heads={hq}/{hkv} d={d} {selector}: density={float(sel.density):.3f} "
           f"mode={ex.mode} rel_err={err:.2e}")
     assert err <= 1e-2 and out.isfinite().all()
+
+
+@pytest.mark.parametrize("kernel", ["fa2", "fa3-auto"])
+@pytest.mark.parametrize("selector", ["flashprefill", "budget"])
+def test_dense_windows_of_a_sparse_pass_are_one_dense_pass(kernel, selector):
+    """A pass mixing sparse and dense windows: the dense ones' rows name their own pages only, and their output is
+    bit for bit a fresh FlashInfer causal paged plan over their contexts (consecutive windows merged), fa3 on
+    Hopper whatever the rows run on."""
+    b = gpu_batch([8192 + 33, 4096], [2048, 1024], 32, 8, 128, seed=11, sparse_ranges=[(0, 9), (0, 0)])
+    qb = b.qblocks
+    assert qb.w_sparse == (True, False, False, False)
+    segs = qb.apart_segments()   # (request, first token in q, tokens, position): windows 9-10 of request 0 merged
+    assert segs == [(0, 9216 - 8225, 10273 - 9216, 9216), (1, 2048, 1024, 4096)]
+    cfg = CompactConfig(block_size=P, selector=selector, selector_params={"alpha": 0.1} if selector == "flashprefill"
+                        else {})
+    ex = executor(b, kernel)
+    out, sel = run_layer(b, cfg, ex)
+    assert rel_err(out, reference_attention(b, sel.table)) <= 1e-2
+    counts = (sel.indices.kv_indptr[1:] - sel.indices.kv_indptr[:-1]).tolist()
+    NW = qb.windows
+    for r, c in enumerate(counts):
+        w = r % NW
+        if not qb.w_sparse[w]:
+            assert c == qb.w_last[w] - qb.w_first[w] + 1
+    dense_kernel = "fa3" if kernel.startswith("fa3") else "fa2"
+    ws = torch.empty(256 << 20, dtype=torch.uint8, device=DEV)
+    fresh = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws, "HND", backend=dense_kernel)
+    ends = [pos + n for _, _, n, pos in segs]
+    pages = [cdiv(e, P) for e in ends]
+    kv = torch.cat([b.page_table[r, :k] for (r, *_), k in zip(segs, pages)])
+    fresh.plan(torch.tensor([0, *torch.tensor([n for _, _, n, _ in segs]).cumsum(0).tolist()], dtype=torch.int32),
+               torch.tensor([0, *torch.tensor(pages).cumsum(0).tolist()], dtype=torch.int32), kv,
+               torch.tensor([e - (k - 1) * P for e, k in zip(ends, pages)], dtype=torch.int32), 32, 8, 128, P,
+               causal=True, sm_scale=b.sm_scale, q_data_type=b.q.dtype, kv_data_type=b.q.dtype)
+    tokens = torch.cat([torch.arange(st, st + n) for _, st, n, _ in segs]).to(DEV)
+    want = fresh.run(b.q[tokens], (b.k_pool, b.v_pool))
+    assert torch.equal(out[tokens], want)
 
 
 @pytest.mark.parametrize("kernel", ["fa2", "fa3"])
@@ -119,7 +171,7 @@ def test_fa2_planned_once_serves_every_layer(hq, hkv, d, selector):
     prefix, chunk = [30000 + 7, 12345, 4100], [1024, 517, 64]
     cfg = CompactConfig(block_size=P, selector=selector, selector_params={"alpha": 0.1} if selector == "flashprefill"
                         else {"density": 0.3})
-    layers = [gpu_batch(prefix, chunk, hq, hkv, d, seed=40 + i) for i in range(3)]
+    layers = layers_of_one_pass(prefix, chunk, hq, hkv, d, [40, 41, 42])
     once = executor(layers[0], "fa2")
     once.plan_forward(ForwardShape.of(layers[0]), layers[0].page_table)
     assert once.mode == "rows"
@@ -150,7 +202,7 @@ def test_fa3_planned_once_serves_every_layer(hq, hkv, d, density, cap):
     prefix, chunk = [30000 + 7, 12345, 4100], [1024, 517, 64]
     cfg = CompactConfig(block_size=P, selector="budget", selector_params={"density": density}, density_cap=cap)
     ranges = [(0, 1 << 40), (0, 1 << 40), (0, 0)]   # the third request's windows read everything
-    layers = [gpu_batch(prefix, chunk, hq, hkv, d, seed=40 + i, sparse_ranges=ranges) for i in range(3)]
+    layers = layers_of_one_pass(prefix, chunk, hq, hkv, d, [40, 41, 42], sparse_ranges=ranges)
     rows = CompactAttention(cfg).row_pages(layers[0])
     once = executor(layers[0], "fa3")
     once.plan_forward(ForwardShape.of(layers[0], rows), layers[0].page_table)

@@ -156,6 +156,41 @@ def test_full_density_rows_equal_dense():
     torch.testing.assert_close(out.double(), dense_float64(b), rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("selector", ["flashprefill", "budget"])
+def test_dense_windows_of_a_sparse_pass_are_computed_apart(selector):
+    """In a pass with sparse windows, a dense window's row names only its own pages (the rows' kernel does
+    little for it) and the executor computes it over every page apart: its output is dense attention."""
+    ranges = [(0, 100), (3, 100), (3, 7), (0, 1)]   # request 1: windows 0-2 dense (one segment), ...
+    b = make_batch(4, chunk=(140, 230, 117, 64), sparse_ranges=ranges)
+    qb = b.qblocks
+    apart = qb.dense_apart
+    assert any(apart) and any(qb.w_sparse) and apart == tuple(not s for s in qb.w_sparse)
+    ca, sel, out = run(b, cfg(selector))
+    rows = TorchExecutor().table_from_indices(b, sel.indices)
+    for w, (first, last) in enumerate(zip(qb.w_first, qb.w_last)):
+        if apart[w]:
+            assert torch.equal(sel.table[:, w], b.full_table()[:, w])       # what the window reads: everything
+            assert rows[:, w, first:last + 1].all() and not rows[:, w, :first].any() and not rows[:, w, last + 1:].any()
+        else:
+            assert torch.equal(rows[:, w], sel.table[:, w])
+    bound = ForwardShape.of(b).rows_upper_bound()
+    counts = (sel.indices.kv_indptr[1:] - sel.indices.kv_indptr[:-1]).tolist()
+    assert all(c <= hi - lo for c, lo, hi in zip(counts, bound, bound[1:]))
+    if selector == "budget":
+        assert ForwardShape.of(b, ca.row_pages(b)).rows_indptr() == sel.indices.kv_indptr.tolist()
+    torch.testing.assert_close(out, reference_attention(b, sel.table), rtol=1e-5, atol=1e-5)
+    want = dense_float64(b)
+    for w in range(qb.windows):
+        if apart[w]:
+            st, n = qb.w_start[w], qb.w_length[w]
+            torch.testing.assert_close(out[st:st + n].double(), want[st:st + n], rtol=1e-4, atol=1e-5)
+    # consecutive dense windows of a request are one segment of the apart pass
+    segs = qb.apart_segments()
+    assert sum(n for _, _, n, _ in segs) == sum(n for n, a in zip(qb.w_length, apart) if a)
+    assert len(segs) < sum(apart) and all(segs[i][:2] != segs[i + 1][:2] for i in range(len(segs) - 1))
+    assert not make_batch(4, sparse_ranges=[(0, 0)] * 4).qblocks.dense_apart[0]
+
+
 def test_budget_rows_read_their_budget_and_the_density_cap_bounds_rows():
     b = make_batch(1, prefix=(700, 300), chunk=(164, 50))
     _, sel, _ = run(b, cfg("budget", params={"density": 0.25}))

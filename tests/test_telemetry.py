@@ -63,10 +63,17 @@ def test_flush_summarises_the_previous_forward_pass():
     s = metrics.summaries[-1]
     assert s["density"] == pytest.approx(0.5) and s["per_layer"] == {0: 0.4, 1: 0.6}
     assert s["coverage"] == pytest.approx(0.9)
-    assert s["qblocks"] == {"sparse": 8, "dense_context": 4, "dense_tail": 0, "dense": 0}
+    assert s["qblocks"] == {"sparse": 8, "dense_context": 4, "dense_tail": 0, "dense": 0, "dense_density": 0}
     assert t.flush()["density"] is None             # a dense pass: no density, its q-blocks counted
     assert metrics.summaries[-1]["qblocks"]["dense_tail"] == 8
     assert t.totals == {"forward_passes": 1, "sparse_qblocks": 8, "sparse_tokens": 128}
+    assert t.flush() is None
+    # windows that turned dense at the pass's first layer (their observed density): the pass's paths change
+    t.begin_forward([4096], [128], {"sparse": 8}, 128)
+    t.update_paths({"sparse": 2, "dense_density": 6}, 32)
+    s = t.flush()
+    assert s["qblocks"]["sparse"] == 2 and s["qblocks"]["dense_density"] == 6 and s["sparse_tokens"] == 32
+    t.update_paths({"sparse": 1}, 1)                # no pass open: nothing to change
     assert t.flush() is None
 
 
@@ -173,9 +180,10 @@ def test_metrics_endpoint_of_a_compact_server():
     # union windows of 128 tokens (the chunk): windows 0-1 (context < 256: pages 0-15) dense; the windows holding
     # the tail (the last 100 of 800 tokens, as noted by the plugin's ForwardBatch hook: windows from
     # (800 - 100) // 128 = 5 on, pages 40-49) dense; windows 2-4 (pages 16-39) sparse
-    assert q == {"sparse": 24, "dense_context": 16, "dense_tail": 10, "dense": 0}, q
+    assert q == {"sparse": 24, "dense_context": 16, "dense_tail": 10, "dense": 0, "dense_density": 0}, q
     assert samples[("sglang:compact_tokens_total", ())] == 24 * 16
     assert samples[("sglang:compact_gate_min_context", ())] == 256
+    assert samples[("sglang:compact_gate_dense_above", ())] == 1.0   # no cost model on the CPU: never
     passes = samples[("sglang:compact_forward_passes_total", ())]
     assert passes == 3  # the chunks at 256, 384 and 512 hold sparse windows
     assert 0 < samples[("sglang:compact_coverage", ())] <= 1
@@ -185,3 +193,35 @@ def test_metrics_endpoint_of_a_compact_server():
     # every sparse pass measured one layer's mass recall (the share of attention its capped selection reads)
     recall, recall_min = samples[("sglang:compact_recall", ())], samples[("sglang:compact_recall_min", ())]
     assert 0 < recall_min <= recall + 1e-6 and recall <= 1 + 1e-5, (recall_min, recall)  # float32 sums
+
+
+@pytest.mark.server
+@needs_prometheus
+def test_windows_that_select_densely_turn_dense_for_the_pass():
+    """--compact-dense-above 0: every sparse window's first-layer selection reads more than 0 of its pages, so
+    each such pass runs as a dense pass: the same greedy tokens as the dense selector, its q-blocks counted
+    as dense_density, no sparse pass."""
+    from convert_smollm2 import convert
+
+    model = convert(MODEL_DIR, "float32", quiet=True)
+    rng = random.Random(5)
+    ids = [rng.randrange(200, 40000) for _ in range(800)]
+    common = ["--attention-backend", "compact", "--compact-min-context", "256", "--compact-dense-tail", "100"]
+    outputs, samples = {}, {}
+    for name, extra in (("dense_above 0", ["--compact-dense-above", "0", "--enable-metrics"]),
+                        ("dense", ["--compact-selector", "dense"])):
+        with SGLangServer(model, module="sglang_compact.launch_server", page_size=16, chunked_prefill_size=128,
+                          extra_args=common + extra) as srv:
+            metrics = "--enable-metrics" in extra
+            before = parse_metrics(srv.get_text("/metrics")) if metrics else {}
+            outputs[name] = srv.generate(input_ids=ids, max_new_tokens=4, ignore_eos=True).output_ids
+            if metrics:
+                samples = parse_metrics(srv.get_text("/metrics"))
+                for key, value in before.items():
+                    if key[0].endswith("_total"):
+                        samples[key] = samples.get(key, 0) - value
+    assert outputs["dense_above 0"] == outputs["dense"]
+    q = {p: samples.get(("sglang:compact_qblocks_total", (("path", p),)), 0) for p in PATHS}
+    assert q == {"sparse": 0, "dense_context": 16, "dense_tail": 10, "dense": 0, "dense_density": 24}, q
+    assert samples.get(("sglang:compact_forward_passes_total", ()), 0) == 0
+    assert samples[("sglang:compact_gate_dense_above", ())] == 0.0

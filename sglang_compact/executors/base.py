@@ -8,7 +8,9 @@ pool, in one of two ways fixed for the whole forward pass:
   paged pass, what stock SGLang's fa3 backend runs);
 * sparse: one causal paged pass over rows (kv head, window), each reading the
   pages of its `PagedIndices` (written per layer by the index kernel, into the
-  executor's `index_buffers` when it has them).
+  executor's `index_buffers` when it has them); the pass's dense windows
+  (`QBlocks.dense_apart`) are computed apart, by one causal paged pass over
+  their whole contexts, and their rows name only their own pages.
 
     executor.plan_forward(shape, page_table)     # once per forward pass: host lengths only
     for each layer:
@@ -72,8 +74,17 @@ class ForwardShape:
         return [cdiv(E, self.page_size) for E in self.context_lens()]
 
     def rows_upper_bound(self) -> list[int]:
-        """kv_indptr of the rows when each reads its whole context (the densest plan)."""
-        return host_cumsum(self.qblocks.full_counts() * self.num_kv_heads)
+        """kv_indptr of the rows when each sparse one reads its whole context (the densest plan; a window
+        computed apart names its own pages only, `QBlocks.rows_bound`)."""
+        return host_cumsum(self.qblocks.rows_bound() * self.num_kv_heads)
+
+    def rows_indptr(self) -> list[int] | None:
+        """kv_indptr of the rows' paged indices when `row_pages` is known on the host, else None."""
+        if self.row_pages is None:
+            return None
+        if len(self.row_pages) != self.num_rows:
+            raise ValueError(f"row_pages has {len(self.row_pages)} rows, the pass has {self.num_rows}")
+        return host_cumsum(self.qblocks.row_counts(self.row_pages))
 
 
 class Executor(Protocol):

@@ -65,6 +65,7 @@ class FlashInferExecutor:
         self._indices = torch.zeros(0, dtype=torch.int32, device=self.device)  # grown to the largest pass seen
         self._paged: dict[str, object] = {}
         self._dense = None
+        self._apart: tuple | None = None   # (wrapper, token indices) of the windows computed apart
         self.shape: ForwardShape | None = None
         self.index_buffers: IndexBuffers | None = None
         #: how the current forward pass runs: "dense", "rows" (planned once) or "rows-per-layer"
@@ -80,26 +81,49 @@ class FlashInferExecutor:
     def plan_forward(self, shape: ForwardShape, page_table: torch.Tensor) -> None:
         self.shape = shape
         self.index_buffers = None
+        self._apart = None
         if shape.sparse:
             self._plan_rows(shape)
+            self._plan_apart(shape, page_table)
         else:
             self._plan_dense(shape, page_table)
+
+    def _context_indices(self, page_table: torch.Tensor, reqs, pages) -> torch.Tensor:
+        """The page ids of request reqs[i]'s first pages[i] pages, concatenated (kv_indices of a dense plan)."""
+        width = page_table.shape[1]
+        flat = torch.cat([torch.arange(b * width, b * width + k, dtype=torch.int64) for b, k in zip(reqs, pages)])
+        return page_table.reshape(-1)[flat.to(self.device, non_blocking=True)]
 
     def _plan_dense(self, shape: ForwardShape, page_table: torch.Tensor) -> None:
         s = shape
         self.mode = "dense"
         n = s.context_pages()
-        width = page_table.shape[1]
         # fa3 is not given empty rows (a request with nothing to attend to)
         kernel = self.kernel if all(n) else "fa2"
-        flat = torch.cat([torch.arange(b * width, b * width + k, dtype=torch.int64) for b, k in enumerate(n)])
-        indices = page_table.reshape(-1)[flat.to(self.device, non_blocking=True)]
+        indices = self._context_indices(page_table, range(len(n)), n)
         last = [E - (k - 1) * s.page_size if k else 0 for E, k in zip(s.context_lens(), n)]
         w = self._paged_wrapper(kernel, "dense")
         w.plan(_i32(host_cumsum(s.chunk_lens)), _i32(host_cumsum(n)), indices, _i32(last), s.num_q_heads,
                s.num_kv_heads, s.head_dim, s.page_size, causal=True, sm_scale=s.sm_scale, q_data_type=s.dtype,
                kv_data_type=s.dtype)
         self._dense = w
+
+    def _plan_apart(self, shape: ForwardShape, page_table: torch.Tensor) -> None:
+        """The windows computed apart (dense windows of a sparse pass): one causal paged pass, all heads, each
+        run of consecutive such windows of a request one "request" over its context up to the run's end."""
+        segments = shape.qblocks.apart_segments()
+        if not segments:
+            return
+        s, P = shape, shape.page_size
+        ends = [pos + n for _, _, n, pos in segments]
+        pages = [-(-e // P) for e in ends]
+        indices = self._context_indices(page_table, [b for b, *_ in segments], pages)
+        tokens = torch.cat([torch.arange(st, st + n, dtype=torch.int64) for _, st, n, _ in segments])
+        w = self._paged_wrapper(self.kernel, "apart")
+        w.plan(_i32(host_cumsum([n for _, _, n, _ in segments])), _i32(host_cumsum(pages)), indices,
+               _i32(e - (k - 1) * P for e, k in zip(ends, pages)), s.num_q_heads, s.num_kv_heads, s.head_dim, P,
+               causal=True, sm_scale=s.sm_scale, q_data_type=s.dtype, kv_data_type=s.dtype)
+        self._apart = (w, tokens.to(self.device, non_blocking=True))
 
     def _rows_plan(self, shape: ForwardShape):
         """(kernel, kv_indptr to plan with, extra plan arguments) of a sparse pass."""
@@ -158,7 +182,11 @@ class FlashInferExecutor:
         else:
             self._load(indices)
         kv = (batch.k_pool.view(-1, 1, P, D), batch.v_pool.view(-1, 1, P, D))
-        return tokens_from_rows(w.run(rows_from_tokens(batch.q, H_kv), kv), H_kv)
+        o = tokens_from_rows(w.run(rows_from_tokens(batch.q, H_kv), kv), H_kv)
+        if self._apart is not None:
+            apart, tokens = self._apart
+            o.index_copy_(0, tokens, apart.run(batch.q.index_select(0, tokens), (batch.k_pool, batch.v_pool)))
+        return o
 
     def _load(self, indices: PagedIndices) -> None:
         """Make the wrapper read `indices` (a no-op when the index kernel wrote into its buffers)."""
@@ -190,9 +218,7 @@ class FlashInferFA3Executor(FlashInferExecutor):
     def _rows_plan(self, shape: ForwardShape):
         if shape.row_pages is None:
             return ("fa3", None, {}) if self.per_layer_rows else super()._rows_plan(shape)
-        if len(shape.row_pages) != shape.num_rows:
-            raise ValueError(f"row_pages has {len(shape.row_pages)} rows, the pass has {shape.num_rows}")
-        return "fa3", host_cumsum(shape.row_pages), {}
+        return "fa3", shape.rows_indptr(), {}
 
 
 def make_flashinfer_executor(kernel: str, device, max_rows: int, max_indices: int) -> FlashInferExecutor:

@@ -121,8 +121,13 @@ class TorchExecutor:
         if indices is None:
             if self.shape.sparse:
                 raise ValueError("a sparse forward pass needs the layer's paged indices")
-            return causal_context_attention(batch).to(batch.q.dtype)
-        return table_attention(batch, self.table_from_indices(batch, indices)).to(batch.q.dtype)
+            return self.run_dense(batch.q, batch.k_pool, batch.v_pool)
+        table = self.table_from_indices(batch, indices)
+        apart = batch.qblocks.dense_apart
+        if any(apart):   # their rows name their own pages; they read every page (computed apart on the GPU)
+            mask = torch.tensor(apart, dtype=torch.bool, device=table.device)[None, :, None]
+            table = table | (batch.full_table() & mask)
+        return table_attention(batch, table).to(batch.q.dtype)
 
     def run_dense(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                   out: torch.Tensor | None = None) -> torch.Tensor:

@@ -20,16 +20,23 @@ PROG = "sglang_compact.launch_server"
 SHORTHANDS = {"--compact-alpha": ("flashprefill", "alpha"), "--compact-density": ("budget", "density")}
 
 
-def _min_context(value: str) -> int | None:
-    if value == "auto":
-        return None
-    try:
-        n = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be 'auto' or a number of tokens, got {value!r}") from None
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"must be 'auto' or a number of tokens >= 0, got {value!r}")
-    return n
+def _auto_or(kind, lo: float, hi: float | None, what: str):
+    """An argparse type: 'auto' (None) or a `kind` number in [lo, hi]."""
+    def parse(value: str):
+        if value == "auto":
+            return None
+        try:
+            x = kind(value)
+        except ValueError:
+            x = None
+        if x is None or x != x or x < lo or (hi is not None and x > hi):   # x != x: nan
+            raise argparse.ArgumentTypeError(f"must be 'auto' or {what}, got {value!r}")
+        return x
+    return parse
+
+
+_min_context = _auto_or(int, 0, None, "a number of tokens >= 0")
+_dense_above = _auto_or(float, 0.0, 1.0, "a density in [0, 1]")
 
 
 def add_compact_args(parser: argparse.ArgumentParser) -> None:
@@ -62,6 +69,10 @@ def add_compact_args(parser: argparse.ArgumentParser) -> None:
                         "cost gate's break-even for this GPU, model and chunk size")
     g.add_argument("--compact-dense-tail", type=int, default=d.dense_tail, metavar="TOKENS",
                    help=f"the last TOKENS prompt tokens read every page (default {d.dense_tail}; 0: off)")
+    g.add_argument("--compact-dense-above", type=_dense_above, default=None, metavar="auto|DENSITY",
+                   help="a sparse window whose selection at the forward pass's first layer reads more than DENSITY "
+                        "of its context pages reads every page instead (1: never); auto (default): the cost "
+                        "model's break-even density for this GPU, where the sparse rows stop paying")
     g.add_argument("--compact-density-cap", type=float, default=None,
                    help="upper bound on each row's density, in (0, 1]")
     g.add_argument("--compact-prefill-kernel", default=d.prefill_kernel, choices=PREFILL_KERNELS,
@@ -113,7 +124,7 @@ def build_config(ns: argparse.Namespace, page_size: int) -> CompactConfig:
                          selector_modules=tuple(ns.compact_selector_module), sink_blocks=ns.compact_sink_blocks,
                          recent_blocks=ns.compact_recent_blocks, union_window=ns.compact_union_window,
                          min_context=ns.compact_min_context,
-                         dense_tail=ns.compact_dense_tail, density_cap=ns.compact_density_cap,
+                         dense_tail=ns.compact_dense_tail, dense_above=ns.compact_dense_above, density_cap=ns.compact_density_cap,
                          prefill_kernel=ns.compact_prefill_kernel, recall_every=ns.compact_recall_every)
 
 

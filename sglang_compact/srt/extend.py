@@ -5,12 +5,20 @@ windows read a selection (the gate), builds the batch's page table, q-blocks and
 the executor; `ExtendPlanner.forward` (each layer's `forward_extend`) only launches device work: the KV
 store (with page summaries), then, in a dense pass, one planned attention run into SGLang's output
 buffer; in a sparse pass, the selection kernels and the rows' attention.
+
+The one exception is the gate's observed-density fallback (`Gate.dense_windows`): a sparse pass whose
+row lengths depend on the scores reads, once, at its first layer, how many pages each row selected
+(one device->host copy per pass); windows that read more than `dense_above` turn dense for the whole
+pass and the executor is planned again (a pass left with no sparse window becomes a dense pass).
+Selectors that fix row lengths are decided at `plan`, from the host lengths, with no copy.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+
+import logging
 
 import torch
 
@@ -23,11 +31,15 @@ from sglang_compact.srt.prompt_notes import NOTES
 from sglang_compact.srt.runtime import CompactRuntime
 
 
+logger = logging.getLogger(__name__)
+
+
 @dataclass
 class ExtendMetadata:
     template: ChunkBatch   # lengths, q-blocks and page table of the pass; each layer swaps in its tensors
     sparse: bool           # some q-block reads a selection
     recall: tuple[int, int] | None = None   # (layer, kv head) that measures its selection's mass recall
+    observe: bool = False  # the first layer reads the rows' page counts (the gate's observed-density fallback)
 
 
 class ExtendPlanner:
@@ -50,12 +62,53 @@ class ExtendPlanner:
         k0, v0 = compat.layer_kv_buffers(rt.pool, rt.view.start_layer)
         template = ChunkBatch(q=self._q_stub, k_pool=k0, v_pool=v0, page_table=page_table, prefix_lens_cpu=prefix,
                               chunk_lens_cpu=chunk, qblocks=qb, sm_scale=rt.sm_scale)
+        gated = qb
         row_pages = rt.compact.row_pages(template) if qb.any_sparse else None
+        if row_pages is not None and gate.observes_density:   # lengths known on the host: decided here
+            dense = gate.dense_windows(qb, qb.window_density(row_pages, template.num_kv_heads))
+            if dense:
+                template = self._with_dense(template, dense, prefix, chunk)
+                qb = template.qblocks
+                row_pages = rt.compact.row_pages(template) if qb.any_sparse else None
         rt.executor.plan_forward(ForwardShape.of(template, row_pages), page_table)
         if rt.telemetry.wants_stats():
-            rt.telemetry.begin_forward(prefix, chunk, self._paths(qb),
-                                       sum(n for n, s in zip(qb.w_length, qb.w_sparse) if s))
-        return ExtendMetadata(template, qb.any_sparse, self._recall_target() if qb.any_sparse else None)
+            rt.telemetry.begin_forward(prefix, chunk, self._paths(qb, gated), self._sparse_tokens(qb))
+        observe = qb.any_sparse and row_pages is None and gate.observes_density
+        return ExtendMetadata(template, qb.any_sparse, self._recall_target() if qb.any_sparse else None, observe)
+
+    @staticmethod
+    def _sparse_tokens(qb: QBlocks) -> int:
+        return sum(n for n, s in zip(qb.w_length, qb.w_sparse) if s)
+
+    def _with_dense(self, template: ChunkBatch, windows: list[int], prefix, chunk) -> ChunkBatch:
+        qb = template.qblocks
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("compact pass prefix=%s chunk=%s: windows %s (request, first token) read more than %.3f "
+                         "of their pages: dense", prefix, chunk, [(qb.w_req[w], qb.w_first[w] * qb.page_size)
+                                                                  for w in windows], self.rt.gate.dense_above)
+        return dataclasses.replace(template, qblocks=qb.with_dense(windows), derived={})
+
+    def _observe(self, md: ExtendMetadata, sel) -> bool:
+        """At a sparse pass's first layer: windows whose rows read more than the gate's dense_above turn dense
+        (one device->host copy of the rows' page counts). True when the pass changed (planned again)."""
+        rt = self.rt
+        md.observe = False
+        if rt.is_cuda and torch.cuda.is_current_stream_capturing():
+            return False
+        qb = md.template.qblocks
+        dense = rt.gate.dense_windows(qb, qb.window_density(sel.counts.tolist(), md.template.num_kv_heads))
+        if not dense:
+            return False
+        t = md.template
+        md.template = self._with_dense(t, dense, t.prefix_lens_cpu, t.chunk_lens_cpu)
+        new = md.template.qblocks
+        md.sparse = new.any_sparse
+        if not md.sparse:
+            md.recall = None
+        rt.executor.plan_forward(ForwardShape.of(md.template), t.page_table)
+        if rt.telemetry.wants_stats():
+            rt.telemetry.update_paths(self._paths(new, qb), self._sparse_tokens(new))
+        return True
 
     def _recall_target(self) -> tuple[int, int] | None:
         """Every `recall_every`-th sparse pass (when its stats are read): the layer and kv head that measure the
@@ -68,14 +121,17 @@ class ExtendPlanner:
         m = k // every
         return m % rt.view.num_layers, m % rt.view.num_kv_heads
 
-    def _paths(self, qb: QBlocks) -> dict[str, int]:
-        """q-blocks per path of their window (telemetry): sparse, or dense and why."""
+    def _paths(self, qb: QBlocks, gated: QBlocks | None = None) -> dict[str, int]:
+        """q-blocks per path of their window (telemetry): sparse, or dense and why (`gated`: the q-blocks as
+        the gate made them, before windows turned dense from their observed density)."""
         gate = self.rt.gate
-        counts = dict.fromkeys(("sparse", "dense_context", "dense_tail", "dense"), 0)
+        counts = dict.fromkeys(("sparse", "dense_context", "dense_tail", "dense", "dense_density"), 0)
         context_lo = None if gate.decision.never else gate.decision.min_context
         for w in qb.window:
             if qb.w_sparse[w]:
                 path = "sparse"
+            elif gated is not None and gated.w_sparse[w]:
+                path = "dense_density"
             elif context_lo is None:
                 path = "dense"
             else:
@@ -99,14 +155,16 @@ class ExtendPlanner:
         # with save_kv_cache=False the caller has stored the chunk's K/V (SGLang's contract): both paths read the pool
         if q3.dtype != k_buf.dtype:
             q3 = q3.to(k_buf.dtype)
-        if not md.sparse:
+        sel = None
+        if md.sparse:
+            sel = self._select(md, q3, k_buf, v_buf, layer, li, summaries)
+            if md.observe and self._observe(md, sel[1]):
+                sel = self._select(md, q3, k_buf, v_buf, layer, li, summaries) if md.sparse else None
+        if sel is None:
             out = compat.take_attention_output(fb, q3) if q3.dtype == q.dtype else None
             o = rt.executor.run_dense(q3, k_buf, v_buf, out=out)
         else:
-            batch = dataclasses.replace(md.template, q=q3, k_pool=k_buf, v_pool=v_buf,
-                                        sm_scale=compat.layer_scaling(layer))
-            sel = rt.compact.select_pages(batch, li, summaries, buffers=rt.executor.index_buffers,
-                                          with_stats=rt.telemetry.wants_stats())
+            batch, sel = sel
             rt.telemetry.record(li, sel.density, sel.coverage)
             if md.recall is not None and md.recall[0] == li:
                 rt.telemetry.record_recall(mass_recall(batch, sel.table, md.recall[1]))
@@ -114,3 +172,10 @@ class ExtendPlanner:
         if o.dtype != q.dtype:
             o = o.to(q.dtype)
         return o.view(-1, H_q * D)
+
+    def _select(self, md: ExtendMetadata, q3, k_buf, v_buf, layer, li: int, summaries):
+        """(this layer's batch, its page selection) in a sparse pass."""
+        rt = self.rt
+        batch = dataclasses.replace(md.template, q=q3, k_pool=k_buf, v_pool=v_buf, sm_scale=compat.layer_scaling(layer))
+        return batch, rt.compact.select_pages(batch, li, summaries, buffers=rt.executor.index_buffers,
+                                              with_stats=rt.telemetry.wants_stats())

@@ -95,13 +95,14 @@ class CompactRuntime:
         else:
             kernel, executor, device_name = "torch", TorchExecutor(), None
         shape = ModelShape(h_q, view.num_kv_heads, view.head_dim, view.page_size)
+        rows_kernel = "fa3" if kernel == "fa3" or (kernel == "fa3-auto" and config.spec.fixes_row_lengths) else "fa2"
         gate = Gate.for_server(config, shape, view.chunked_prefill_size, device_name,
-                               "fa3" if kernel.startswith("fa3") else "fa2", view.context_len)
+                               "fa3" if kernel.startswith("fa3") else "fa2", view.context_len, rows_kernel)
         summaries = None
         if compact.uses_summaries and not gate.decision.never:
             summaries = PageSummaries(view.num_layers, view.num_pages, view.num_kv_heads, view.head_dim, view.device)
         metrics = metrics_for(view.enable_metrics, view.metric_labels, view.num_layers,
-                              None if gate.decision.never else gate.decision.min_context)
+                              None if gate.decision.never else gate.decision.min_context, gate.dense_above)
         if config.recall_every and metrics is None:
             logger.warning("sglang_compact: --compact-recall-every %d is read through /metrics: add --enable-metrics "
                            "(nothing is measured without it, unless debug logging is on)", config.recall_every)

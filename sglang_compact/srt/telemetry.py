@@ -21,9 +21,12 @@ Series (labels: SGLang's `model_name`, `tp_rank`, plus those below):
   sglang:compact_forward_passes_total       counter, forward passes with a sparse q-block
   sglang:compact_qblocks_total{path}        counter, q-blocks (one page of a chunk) by path: `sparse`,
                                             `dense_context` (context below the gate's min_context),
-                                            `dense_tail` (in the prompt's dense tail), `dense` (selector dense)
+                                            `dense_tail` (in the prompt's dense tail), `dense` (selector dense),
+                                            `dense_density` (its window's selection read more than the gate's
+                                            dense_above at the pass's first layer)
   sglang:compact_tokens_total               counter, tokens of sparse q-blocks
   sglang:compact_gate_min_context           gauge, context (tokens) from which q-blocks go sparse; -1: never
+  sglang:compact_gate_dense_above           gauge, density above which a sparse window reads every page (1: never)
   sglang:compact_recall                     gauge, latest measured pass (`--compact-recall-every`): mean over its
                                             sparse windows of the attention mass their selection reads (one
                                             layer, one kv head, each window's last query; 1.0: nothing missed)
@@ -39,13 +42,13 @@ import torch
 logger = logging.getLogger("sglang_compact.telemetry")
 
 DENSITY_BUCKETS = (0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
-PATHS = ("sparse", "dense_context", "dense_tail", "dense")
+PATHS = ("sparse", "dense_context", "dense_tail", "dense", "dense_density")
 
 
 class CompactMetrics:
     """Prometheus series of the compact path, fed one forward-pass summary at a time."""
 
-    def __init__(self, labels: dict, num_layers: int, min_context: int | None):
+    def __init__(self, labels: dict, num_layers: int, min_context: int | None, dense_above: float = 1.0):
         from prometheus_client import Counter, Gauge, Histogram  # after PROMETHEUS_MULTIPROC_DIR is set
 
         self.labels = {k: str(v) for k, v in labels.items()}
@@ -71,6 +74,8 @@ class CompactMetrics:
                            "latest measured pass).", labelnames=names, multiprocess_mode="mostrecent", **kw)
         gate = Gauge("sglang:compact_gate_min_context", "Context (tokens) from which q-blocks read a selection; "
                      "-1: never.", labelnames=names, multiprocess_mode="mostrecent", **kw)
+        above = Gauge("sglang:compact_gate_dense_above", "Density (at the pass's first layer) above which a sparse "
+                      "window reads every page; 1: never.", labelnames=names, multiprocess_mode="mostrecent", **kw)
         # label children resolved once: the per-forward update is plain float writes
         self._density = {layer: density.labels(**self.labels, layer=str(layer)) for layer in range(num_layers)}
         self._forward = forward.labels(**self.labels)
@@ -81,6 +86,7 @@ class CompactMetrics:
         self._recall = recall.labels(**self.labels)
         self._recall_min = recall_min.labels(**self.labels)
         gate.labels(**self.labels).set(-1 if min_context is None else min_context)
+        above.labels(**self.labels).set(dense_above)
 
     def observe(self, summary: dict) -> None:
         for path, n in summary["qblocks"].items():
@@ -101,12 +107,13 @@ class CompactMetrics:
             self._recall_min.set(summary["recall_min"])
 
 
-def metrics_for(enable_metrics: bool, labels: dict, num_layers: int, min_context: int | None):
+def metrics_for(enable_metrics: bool, labels: dict, num_layers: int, min_context: int | None,
+                dense_above: float = 1.0):
     """`CompactMetrics` when the server runs with `--enable-metrics`, else None (no cost)."""
     if not enable_metrics:
         return None
     try:
-        return CompactMetrics(labels, num_layers, min_context)
+        return CompactMetrics(labels, num_layers, min_context, dense_above)
     except Exception as e:  # never let telemetry stop the server
         logger.warning("sglang_compact: metrics disabled: %s", e)
         return None
@@ -132,6 +139,11 @@ class CompactTelemetry:
         self.flush()
         self._pass = dict(prefix_lens=list(prefix_lens), chunk_lens=list(chunk_lens),
                           qblocks={p: int(qblock_paths.get(p, 0)) for p in PATHS}, sparse_tokens=int(sparse_tokens))
+
+    def update_paths(self, qblock_paths: dict[str, int], sparse_tokens: int) -> None:
+        """The current pass's paths after windows turned dense at its first layer."""
+        if self._pass is not None:
+            self._pass.update(qblocks={p: int(qblock_paths.get(p, 0)) for p in PATHS}, sparse_tokens=int(sparse_tokens))
 
     def record_recall(self, values: torch.Tensor | None) -> None:
         """The mass recall of this pass's sparse windows (float [S], device), from the one layer measured."""
