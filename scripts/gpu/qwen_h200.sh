@@ -11,6 +11,10 @@ JOB=ttft
 if [[ ${1:-} == ttft || ${1:-} == accuracy ]]; then JOB=$1; shift; fi
 source scripts/gpu/setup.sh || exit 1
 python3 scripts/gpu/pieces.py collect .pieces --into /tmp/pieces > /dev/null 2>&1 || true
+# the FA3 join decompresses with zstandard (its wheel comes with the first piece; a fresh machine lacks it)
+if ls /tmp/pieces/zstandard-*.whl > /dev/null 2>&1 && ! python3 -c "import zstandard" 2>/dev/null; then
+  python3 -m pip install -q --no-deps --no-index --target /tmp/site /tmp/pieces/zstandard-*.whl
+fi
 SITE=$(python3 -c "import sgl_kernel, os; print(os.path.dirname(sgl_kernel.__file__))")
 if [ ! -f $SITE/flash_ops.abi3.so ]; then
   python3 scripts/gpu/pieces.py join fa3 --dir /tmp/pieces --out $SITE/flash_ops.abi3.so --unzstd
