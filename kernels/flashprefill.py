@@ -8,8 +8,9 @@ so no pooled copy is made. Two passes over the q-block's candidate pages (those
 before its window): the first keeps each query's running max and softmax
 denominator l (online softmax), the second recomputes the logits and either
 stores, per (query head or group, page), the largest probability any query of
-the q-block gives it (`block_scores`), or thresholds them in place
-(`threshold_mask`): a head keeps page j when its score reaches alpha x the
+the q-block gives it (`block_scores`), that over its head's best score, maxed
+over the group (`ratio_scores`: what `threshold_mask` compares with alpha), or
+thresholds them in place (`threshold_mask`): a head keeps page j when its score reaches alpha x the
 head's best score, and a query's best probability is exactly 1 / l (its
 largest logit), so the best score is known after the first pass; the kv
 head's mask (OR over the group's heads) is written directly. The union over a
@@ -26,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-SCORES, GROUP_SCORES, THRESHOLD = 0, 1, 2
+SCORES, GROUP_SCORES, THRESHOLD, GROUP_RATIO = 0, 1, 2, 3
 
 
 @triton.jit
@@ -72,10 +73,11 @@ def _search_kernel(q, qb_req, qb_cand, qb_start, qb_len, page_table, key_sum, co
     m = tl.where(valid_row, m, 0.0)
     offs_hp = tl.arange(0, GP)
     row = g * NQB + qi
-    if MODE == 2:
+    if MODE >= 2:
         best = tl.max(tl.reshape(inv_l, [GP, BQS]), axis=1)      # [GP] each head's best score
         thr = alpha * best
         head_ok = (offs_hp < G) & (best > 0)
+        inv_best = tl.where(head_ok, 1.0 / tl.where(head_ok, best, 1.0), 0.0)
         out_row = out + row.to(tl.int64) * NKV
     elif MODE == 1:
         out_row = out + row.to(tl.int64) * NKV
@@ -98,6 +100,9 @@ def _search_kernel(q, qb_req, qb_cand, qb_start, qb_len, page_table, key_sum, co
             keep = (score >= thr[:, None]) & head_ok[:, None] & j_ok[None, :]
             keep_any = tl.max(keep.to(tl.int32), axis=0) > 0
             tl.store(out_row + offs_j, keep_any.to(tl.int8), mask=offs_j < NKV)
+        elif MODE == 3:
+            ratio = tl.where(head_ok[:, None] & j_ok[None, :], score * inv_best[:, None], 0.0)
+            tl.store(out_row + offs_j, tl.max(ratio, axis=0), mask=offs_j < NKV)
         elif MODE == 1:
             tl.store(out_row + offs_j, tl.max(score, axis=0), mask=offs_j < NKV)
         else:
@@ -134,7 +139,7 @@ def _launch(mode, q, qb, page_table, key_sum, count, sm_scale, num_kv_heads, n_p
         q = q.contiguous()
     G = H_q // num_kv_heads
     GP = triton.next_power_of_2(G)
-    cfg = launch_config(GP * P // query_stride, n_pages, mode == GROUP_SCORES) if config is None else config
+    cfg = launch_config(GP * P // query_stride, n_pages, mode in (GROUP_SCORES, GROUP_RATIO)) if config is None else config
     _search_kernel[(num_kv_heads, NQB)](
         q, qb["req"], qb["cand"], qb["start"], qb["length"], page_table, key_sum, count, out,
         q.stride(0), q.stride(1), page_table.stride(0), H_q, num_kv_heads, NQB, n_pages, float(sm_scale), float(alpha),
@@ -150,6 +155,16 @@ def block_scores(q: torch.Tensor, qb: dict, page_table: torch.Tensor, key_sum: t
     out = torch.zeros(H, qb["cand"].numel(), n_pages, dtype=torch.float32, device=q.device)
     _launch(GROUP_SCORES if group_max else SCORES, q, qb, page_table, key_sum, count, sm_scale, num_kv_heads,
             n_pages, query_stride, config, out=out, page_size=page_size)
+    return out
+
+
+def ratio_scores(q: torch.Tensor, qb: dict, page_table: torch.Tensor, key_sum: torch.Tensor, count: torch.Tensor,
+                 sm_scale: float, num_kv_heads: int, n_pages: int, query_stride: int = 1, config: dict | None = None,
+                 page_size: int | None = None) -> torch.Tensor:
+    """Same contract as `flashprefill_naive.ratio_scores`."""
+    out = torch.zeros(num_kv_heads, qb["cand"].numel(), n_pages, dtype=torch.float32, device=q.device)
+    _launch(GROUP_RATIO, q, qb, page_table, key_sum, count, sm_scale, num_kv_heads, n_pages, query_stride, config,
+            out=out, page_size=page_size)
     return out
 
 

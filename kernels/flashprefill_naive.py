@@ -8,7 +8,9 @@ window, `qb["cand"]`):
     score[j]  = max over the q-block's queries t (every `query_stride`-th) of p[t, j]
 
 `block_scores` returns the scores; `threshold_mask` keeps, per (kv head g, q-block q), the pages
-some query head of the group scores >= alpha x that head's best score.
+some query head of the group scores >= alpha x that head's best score; `ratio_scores` gives, per
+(kv head, q-block, page), the largest score / best over the group's heads: the page is kept at
+every alpha up to it.
 """
 
 from __future__ import annotations
@@ -56,6 +58,19 @@ def block_scores(q: torch.Tensor, qb: dict, page_table: torch.Tensor, key_sum: t
         H_q = s.shape[0]
         s = s.reshape(num_kv_heads, H_q // num_kv_heads, *s.shape[1:]).amax(dim=1)
     return s
+
+
+def ratio_scores(q: torch.Tensor, qb: dict, page_table: torch.Tensor, key_sum: torch.Tensor, count: torch.Tensor,
+                 sm_scale: float, num_kv_heads: int, n_pages: int, query_stride: int = 1,
+                 config: dict | None = None) -> torch.Tensor:
+    """float32 [H_kv, NQB, NKV]: per kv head g and q-block q, the largest over the group's query heads of a
+    candidate page's score over that head's best score (in (0, 1]; 0 outside candidates): `threshold_mask`
+    keeps exactly the pages whose ratio is >= alpha."""
+    s = _head_scores(q, qb, page_table, key_sum, count, sm_scale, num_kv_heads, n_pages, query_stride)
+    H_q, NQB, NKV = s.shape
+    best = s.amax(dim=-1, keepdim=True)
+    r = torch.where(best > 0, s / torch.where(best > 0, best, torch.ones_like(best)), torch.zeros_like(s))
+    return r.reshape(num_kv_heads, H_q // num_kv_heads, NQB, NKV).amax(dim=1)
 
 
 def threshold_mask(q: torch.Tensor, qb: dict, page_table: torch.Tensor, key_sum: torch.Tensor,

@@ -70,17 +70,24 @@ class CompactAttention:
         return [min(p, c) for p, c in zip(pages, caps)]
 
     def select_pages(self, batch: ChunkBatch, layer: int = 0, summaries: LayerSummaries | None = None,
-                     buffers: IndexBuffers | None = None, with_stats: bool = False) -> PageSelection:
+                     buffers: IndexBuffers | None = None, with_stats: bool = False,
+                     fill: tuple[torch.Tensor, int] | None = None) -> PageSelection:
         """Search, union (forced pages, the density cap) and paged indices. No host sync on CUDA.
 
         summaries: this layer's page summaries (computed from the pool when the selector needs them and
-        none are given). with_stats: compute the density (and the cap's coverage).
+        none are given). with_stats: compute the density (and the cap's coverage). fill: (counts, their
+        largest): every row keeps exactly that many pages (`Selector.fill`; rows fixed at the pass's first
+        layer), the density cap already in the counts.
         """
         cfg = self.config
         if cfg.block_size != batch.page_size:
             raise ValueError(f"CompactConfig.block_size={cfg.block_size} differs from the KV page size {batch.page_size}")
         if summaries is None and self.uses_summaries:
             summaries = LayerSummaries.from_pool(batch.k_pool, batch.page_table, batch.context_lens_cpu())
+        if fill is not None:
+            sel = self.selector.fill(batch, layer, summaries, *fill)
+            indices = build_indices(sel.table, sel.counts, batch, buffers)
+            return PageSelection(sel.table, sel.counts, indices, row_density(sel.counts, batch) if with_stats else None)
         sel = self.selector.select(batch, layer, summaries)
         table, counts = (sel.table, sel.counts) if sel.table is not None else \
             union_table(sel.mask, batch, cfg.sink_blocks, cfg.recent_blocks)

@@ -48,7 +48,7 @@ def test_rows_have_the_schema(smoke):
     methods = {r["method"] for r in rows}
     assert {"dense_torch", "dense_fa2", "dense_fa3", "compact_flashprefill", "compact_xattention",
             "compact_budget_0.3", "compact_budget_1.0", "compact_fa3_flashprefill", "bsparse_flashprefill",
-            "bsparse_xattention", "quoka"} <= methods
+            "bsparse_xattention", "quoka", "compact_flashprefill_fixed"} <= methods
     assert {r["context"] for r in rows} == {500, 1024}
     for r in rows:
         for k, t in REQUIRED.items():
@@ -74,7 +74,7 @@ def test_rows_have_the_schema(smoke):
             assert r["attn_ms"] == pytest.approx(r["prefix_ms"] + r["chunk_ms"]), r
     skipped = {r["method"] for r in rows if r["status"] == "skipped"}
     assert skipped == {"dense_fa2", "dense_fa3", "compact_fa3_flashprefill", "compact_fa3_budget_0.3",
-                       "compact_fa3_budget_1.0"}
+                       "compact_fa3_budget_1.0", "compact_fa3_flashprefill_fixed"}
     by = {(r["context"], r["method"]): r for r in rows}
     for ctx in (500, 1024):
         assert by[(ctx, "dense_torch")]["speedup_vs_dense"] == pytest.approx(1.0)

@@ -71,11 +71,12 @@ def test_dense_reads_match_torch_native(model_dir, selector_args):
     assert_same_tokens(want, got, selector_args[1])
 
 
-def test_flashprefill_answer_does_not_depend_on_the_cache(model_dir):
+@pytest.mark.parametrize("params", ['{}', '{"fix_rows": true}'], ids=["per-layer rows", "rows fixed at layer 0"])
+def test_flashprefill_answer_does_not_depend_on_the_cache(model_dir, params):
     ids = prompts(n=6, seed=1)[-1][:1200 + 5]
     args = COMPACT + ["--compact-selector", "flashprefill", "--compact-min-context", "256",
                       "--compact-sink-blocks", "1", "--compact-recent-blocks", "2", "--compact-dense-tail", "64",
-                      "--enable-metrics"]
+                      "--compact-selector-params", params, "--enable-metrics"]
     with server(model_dir, args) as srv:
         first = greedy(srv, ids)
         again = greedy(srv, ids)                      # served from the radix cache: 1200 tokens cached
@@ -92,6 +93,7 @@ def test_flashprefill_answer_does_not_depend_on_the_cache(model_dir):
     assert int(again[1]["cached_tokens"]) == 1024 and int(after_hit[1]["cached_tokens"]) == 512
     assert_same_tokens([first, first], [again, after_hit], "cold vs cached")
     assert "selector='flashprefill'" in log and "dense_tail 64" in log
+    assert f"fix_rows={'fix_rows' in params}" in log
     assert metric_value(metrics, "sglang:compact_qblocks_total", 'path="sparse"') > 0
     assert metric_value(metrics, "sglang:compact_qblocks_total", 'path="dense_tail"') > 0
 

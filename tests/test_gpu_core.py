@@ -221,6 +221,35 @@ def test_fa3_planned_once_serves_every_layer(hq, hkv, d, density, cap):
         assert torch.equal(out, fresh)
 
 
+@pytest.mark.parametrize("hq,hkv,d", [(16, 4, 128), (9, 3, 64)])
+def test_flashprefill_rows_fixed_at_the_first_layer_run_on_fa3_planned_once(hq, hkv, d):
+    """`fix_rows`: the first layer thresholds; its row counts fix the pass; fa3 planned once from them serves the
+    later layers (each filled to those counts), bit for bit fa3 planned per layer, within tolerance of the
+    reference; a mixed pass (the third request dense)."""
+    prefix, chunk = [30000 + 7, 12345, 4100], [1024, 517, 64]
+    ranges = [(0, 1 << 40), (0, 1 << 40), (0, 0)]
+    layers = layers_of_one_pass(prefix, chunk, hq, hkv, d, [50, 51, 52], sparse_ranges=ranges)
+    ca = CompactAttention(CompactConfig(block_size=P, selector_params={"alpha": 0.1, "fix_rows": True}))
+    first = ca.select_pages(layers[0], 0, batch_summaries(layers[0]))
+    rows = first.counts.tolist()
+    once = executor(layers[0], "fa3-auto")
+    once.plan_forward(ForwardShape.of(layers[0], rows), layers[0].page_table)
+    assert once.mode == "rows" and once._rows_kernel == "fa3"
+    per_layer = executor(layers[0], "fa3")
+    per_layer.plan_forward(ForwardShape.of(layers[0], None), layers[0].page_table)
+    fill = (first.counts, max(rows))
+    for i, b in enumerate(layers):
+        s = batch_summaries(b)
+        sel = ca.select_pages(b, i, s, buffers=once.index_buffers, fill=None if i == 0 else fill)
+        assert sel.counts.tolist() == rows
+        out = once.run(b, sel.indices)
+        fresh = per_layer.run(b, ca.select_pages(b, i, s, fill=None if i == 0 else fill).indices)
+        err = rel_err(out, reference_attention(b, sel.table))
+        print(f"fix_rows fa3 once heads={hq}/{hkv} d={d} layer {i}: rel_err={err:.2e} == per-layer plan: "
+              f"{torch.equal(out, fresh)}")
+        assert err <= 1e-2 and torch.equal(out, fresh)
+
+
 def test_fa3_auto_runs_varying_rows_on_fa2_planned_once():
     b = gpu_batch([9000, 20000], [512, 256], 16, 4, 128, seed=11)
     ex = executor(b, "fa3-auto")
@@ -300,6 +329,8 @@ def test_triton_kernels_equal_references_on_gpu(seed):
     for gm in (False, True):
         torch.testing.assert_close(flashprefill.block_scores(*args, group_max=gm, page_size=P),
                                    flashprefill_naive.block_scores(*args, group_max=gm), rtol=2e-2, atol=2e-3)
+    torch.testing.assert_close(flashprefill.ratio_scores(*args, page_size=P),
+                               flashprefill_naive.ratio_scores(*args), rtol=2e-2, atol=2e-3)
     tk = flashprefill.threshold_mask(*args, 0.3, page_size=P)
     tn = flashprefill_naive.threshold_mask(*args, 0.3)
     mism = (tk != tn).float().mean().item()

@@ -58,6 +58,30 @@ def test_threshold_mask_equals_reference_up_to_ties(seed, alpha):
 
 
 @pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("Hq,Hkv,D", [(6, 2, 32), (9, 3, 64)])
+@pytest.mark.parametrize("query_stride", [1, 2])
+def test_ratio_scores_equal_reference_and_the_threshold_is_a_cut_of_them(seed, Hq, Hkv, D, query_stride):
+    """The kernel's ratio scores (a page's score over its head's best, maxed over the group) equal the torch
+    twin's; and the threshold mask at alpha keeps exactly the candidates whose ratio is >= alpha (up to
+    rounding at the cut)."""
+    P = 32
+    case = random_geometry(seed, P=P)
+    q, key_sum, count = queries_and_summaries(case, Hq, Hkv, D)
+    qb = case["qb"].on("cpu")
+    NKV = case["qb"].max_pages
+    args = (q, qb, case["page_table"], key_sum, count, 0.125, Hkv, NKV)
+    got = flashprefill.ratio_scores(*args, query_stride=query_stride, page_size=P)
+    want = flashprefill_naive.ratio_scores(*args, query_stride=query_stride)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+    cand = torch.arange(NKV)[None, :] < qb["cand"].long()[:, None]
+    assert not (want[:, ~cand] != 0).any() and (want <= 1 + 1e-6).all()
+    for alpha in (0.1, 0.5):
+        mask = flashprefill_naive.threshold_mask(*args, alpha, query_stride=query_stride)
+        near = (want - alpha).abs() < 1e-5
+        assert not ((mask != ((want >= alpha) & cand[None])) & ~near).any()
+
+
+@pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize("G", [1, 3])
 def test_union_equals_reference(seed, G):
     case = random_geometry(seed)

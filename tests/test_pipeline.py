@@ -2,6 +2,8 @@
 plain-torch ground truth, and the selection's independence from how a prompt is chunked."""
 
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -203,6 +205,44 @@ def test_budget_rows_read_their_budget_and_the_density_cap_bounds_rows():
         assert (sel.table[:, w].sum(-1) <= row_budget(last + 1, 0.3, forced_count(first, last, 1, 2))).all()
     assert sel.coverage is not None and float(sel.coverage) < 1
     torch.testing.assert_close(out, reference_attention(b, sel.table), rtol=1e-5, atol=1e-5)
+
+
+def test_flashprefill_fill_keeps_the_counts_and_at_the_thresholds_counts_is_the_threshold():
+    """`fix_rows`: a later layer fills each row to the first layer's count, best ratio first. At the same layer and
+    the threshold's own counts, the fill is the threshold's table (ties aside); on another layer's data it keeps
+    exactly the counts and the rows execute as their table says."""
+    from sglang_compact.selectors.base import forced_count
+
+    c = cfg("flashprefill", params={"alpha": 0.3, "fix_rows": True})
+    ca = CompactAttention(c)
+    assert c.spec.fixes_rows_at_first_layer(c.params) and not cfg("flashprefill").spec.fixes_rows_at_first_layer(
+        cfg("flashprefill").params)
+    ranges = [(0, 100), (2, 100), (3, 7), (0, 1)]
+    b0 = make_batch(6, sparse_ranges=ranges)
+    first = ca.select_pages(b0, with_stats=True)
+    counts = first.counts.clone()
+    again = ca.select_pages(b0, fill=(counts, int(counts.max())))
+    assert torch.equal(again.counts, counts)
+    differ = (again.table != first.table).sum().item()
+    assert differ <= 2, differ                       # a tie at the cut may swap a page
+    # another layer (other data, same lengths and page table): exactly the counts, forced pages kept
+    b1 = dataclasses.replace(b0, q=torch.randn_like(b0.q), k_pool=torch.randn_like(b0.k_pool),
+                             v_pool=torch.randn_like(b0.v_pool))
+    later = ca.select_pages(b1, fill=(counts, int(counts.max())), with_stats=True)
+    assert torch.equal(later.table.sum(-1, dtype=torch.int32).reshape(-1), counts)
+    qb = b1.qblocks
+    forced = b1.forced(1, 2)
+    assert (later.table | ~forced[None]).all()
+    for w, (f, last, sp) in enumerate(zip(qb.w_first, qb.w_last, qb.w_sparse)):
+        if sp:
+            assert (later.table[:, w].sum(-1) >= forced_count(f, last, 1, 2)).all()
+        else:
+            assert later.table[:, w, :last + 1].all()
+    ex = TorchExecutor()
+    ex.plan_forward(ForwardShape.of(b1, counts.tolist()), b1.page_table)
+    torch.testing.assert_close(ex.run(b1, later.indices), reference_attention(b1, later.table), rtol=1e-5, atol=1e-5)
+    with pytest.raises(NotImplementedError, match="does not fill"):
+        CompactAttention(cfg("oracle")).select_pages(b0, fill=(counts, int(counts.max())))
 
 
 def test_flashprefill_keeps_the_pages_a_head_scores_above_alpha_of_its_best():

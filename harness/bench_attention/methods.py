@@ -16,7 +16,7 @@ except Exception as e:  # noqa: BLE001
     FI_VERSION = f"unavailable ({type(e).__name__})"
 
 DEFAULT_METHODS = ("dense_*,compact_flashprefill,compact_xattention,compact_budget_*,compact_fa3_flashprefill,"
-                   "compact_fa3_budget_*,"
+                   "compact_fa3_budget_*,compact_flashprefill_fixed,compact_fa3_flashprefill_fixed,"
                    "bsparse_flashprefill,bsparse_xattention,quoka")
 
 
@@ -39,6 +39,9 @@ def known_methods(budgets: list[float]) -> list[Method]:
             ms.append(Method(f"{prefix}_{tag}", "compact", bk, sel, fixed_density=d))
     for tag, sel, d in sels:
         ms.append(Method(f"bsparse_{tag}", "bsparse", None, sel, fixed_density=d))
+    # the default selector with its rows fixed at the pass's first layer (on fa3: planned once)
+    for prefix, bk in (("compact", "fa2"), ("compact_fa3", "fa3")):
+        ms.append(Method(f"{prefix}_flashprefill_fixed", "compact", bk, "flashprefill", params={"fix_rows": True}))
     ms.append(Method("quoka", "quoka"))
     return ms
 
@@ -58,7 +61,7 @@ def select_methods(spec: str, budgets: list[float], fi_usable: bool) -> list[Met
 
 def selector_config(args, m: Method, union_window: int | None = None) -> CompactConfig:
     if m.selector == "flashprefill":
-        params = {"alpha": args.alpha, "query_stride": args.query_stride}
+        params = {"alpha": args.alpha, "query_stride": args.query_stride, **m.params}
     elif m.selector == "xattention":
         params = {"threshold": args.xattn_threshold, "stride": args.xattn_stride}
     else:

@@ -1,6 +1,8 @@
 """`compact_<sel>` / `compact_fa3_<sel>`: `CompactAttention.select_pages` + the executor's one causal paged pass over
 the rows (kv head, window), end to end as the server runs a layer (the executor planned once per forward pass,
-outside), then its search, union, index and attention timed on their own."""
+outside), then its search, union, index and attention timed on their own. A selector that fixes its rows at the
+pass's first layer (`compact_fa3_flashprefill_fixed`) is timed as a later layer: the first layer's row counts plan
+the executor, and the layer fills each row to them."""
 
 from __future__ import annotations
 
@@ -41,7 +43,11 @@ def head_density(run: ConfigRun, ca: CompactAttention) -> float | None:
 def run_compact(run: ConfigRun, m: Method, row: dict):
     b, t, args = run.b, run.timer, run.args
     ca = CompactAttention(selector_config(args, m, run.window))
-    ex, bf_ms = run.executor(m.backend, ca.row_pages(b) if m.backend == "fa3" else None)
+    fill, rows = None, ca.row_pages(b)
+    if ca.config.spec.fixes_rows_at_first_layer(ca.config.params):
+        first = ca.select_pages(b, 0, run.summaries)     # the pass's first layer: its threshold fixes the rows
+        fill, rows = (first.counts, int(first.counts.max())), first.counts.tolist()
+    ex, bf_ms = run.executor(m.backend, rows if m.backend == "fa3" else None)
     buffers = ex.index_buffers
     mode = getattr(ex, "mode", None)
     if not run.fi:
@@ -50,23 +56,30 @@ def run_compact(run: ConfigRun, m: Method, row: dict):
         row["note"] = "fa3 executor: plan() per layer with a device->host sync, inside attn_ms and ms"
     elif m.backend == "fa3":
         row["note"] = "fa3 executor planned once per forward pass from the host-known row lengths"
+    if fill is not None:
+        row["note"] = (row.get("note", "") + "; " if row.get("note") else "") + \
+            "rows fixed by a first layer's counts; the layer timed fills each row to them"
 
     def e2e():
-        ps = ca.select_pages(b, 0, run.summaries, buffers=buffers)  # as the server runs it (metrics off)
+        ps = ca.select_pages(b, 0, run.summaries, buffers=buffers, fill=fill)  # as the server runs it (metrics off)
         return ex.run(b, ps.indices)
 
     out = e2e()
     row["ms"] = t.device_ms(e2e)
     row["begin_forward_ms"] = bf_ms
-    ps = ca.select_pages(b, 0, run.summaries, buffers=buffers, with_stats=True)
+    ps = ca.select_pages(b, 0, run.summaries, buffers=buffers, with_stats=True, fill=fill)
     row["density_after_group"] = float(ps.density)
     row["density_selected"] = head_density(run, ca)
     row["density"] = m.fixed_density if m.fixed_density is not None else row["density_after_group"]
     run.check(row, out, table=ps.table)
     if args.no_split:
         return
-    sel, search_ms = run.search(m, ca, retime=True)
     cfg = ca.config
+    if fill is not None:
+        sel = ca.selector.fill(b, 0, run.summaries, *fill)
+        search_ms = t.device_ms(lambda: ca.selector.fill(b, 0, run.summaries, *fill))
+    else:
+        sel, search_ms = run.search(m, ca, retime=True)
     row["search_ms"] = search_ms
     if sel.mask is not None:
         row["union_ms"] = t.device_ms(lambda: union_table(sel.mask, b, cfg.sink_blocks, cfg.recent_blocks))

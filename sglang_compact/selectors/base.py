@@ -75,6 +75,12 @@ class Selector:
         """
         raise NotImplementedError
 
+    def fill(self, batch: ChunkBatch, layer: int, summaries: LayerSummaries | None, counts: torch.Tensor,
+             max_count: int) -> Selection:
+        """Exactly `counts[r]` pages in each row r = g * NW + w (device int [H_kv * NW]; `max_count` the largest):
+        the later layers of a pass whose first layer fixed the row lengths (`spec.fixes_rows_at_first_layer`)."""
+        raise NotImplementedError(f"selector {self.name!r} does not fill rows to given counts")
+
 
 # --- shared helpers -------------------------------------------------------------------
 
@@ -154,33 +160,61 @@ def top_pages_per_row(row_scores: torch.Tensor, batch: ChunkBatch, fraction: flo
         table bool [H_kv, NW, NKV], counts int32 [H_kv * NW].
     """
     H, NW, NKV = row_scores.shape
-    dev = row_scores.device
-    k_max = min(NKV, max(batch.qblocks.full_counts(), default=0))
-    if k_max <= 0 or NW == 0:
-        return torch.zeros(H, NW, NKV, dtype=torch.bool, device=dev), torch.zeros(H * NW, dtype=torch.int32,
-                                                                                  device=dev)
+
+    def per_batch():
+        counts = budget_row_pages(batch, fraction, sink_blocks, recent_blocks)[:NW]
+        return torch.tensor(counts, dtype=torch.long).to(row_scores.device, non_blocking=True), max(counts, default=0)
+    k, k_max = batch.memo(("budget_counts", fraction, sink_blocks, recent_blocks), per_batch)
+    out = _keep_top(_ranked(row_scores, batch, sink_blocks, recent_blocks, allowed), k[None, :].expand(H, NW), k_max)
+    if allowed is not None:
+        out &= allowed
+    return out, out.sum(dim=-1, dtype=torch.int32).reshape(-1)
+
+
+def fill_rows(row_scores: torch.Tensor, batch: ChunkBatch, counts: torch.Tensor, max_count: int, sink_blocks: int,
+              recent_blocks: int):
+    """Exactly `counts[r]` pages in row r = g * NW + w: its forced pages first, then its best-scoring candidates
+    (equal scores in any order); a count of last + 1 keeps every page.
+
+    Args:
+        row_scores: float [H_kv, NW, NKV]; counts: int [H_kv * NW] on the device, each at least the row's
+            forced pages and at most last + 1; max_count: their largest (host).
+    Returns:
+        table bool [H_kv, NW, NKV], counts int32 [H_kv * NW].
+    """
+    H, NW, _ = row_scores.shape
+    out = _keep_top(_ranked(row_scores, batch, sink_blocks, recent_blocks), counts.view(H, NW).long(), max_count)
+    return out, counts.to(torch.int32)
+
+
+def _ranked(row_scores: torch.Tensor, batch: ChunkBatch, sink_blocks: int, recent_blocks: int,
+            allowed: torch.Tensor | None = None) -> torch.Tensor:
+    """float32 [H_kv, NW, NKV]: the rows' scores with their forced pages at +inf and the pages they may not read
+    (past their last; outside `allowed`, when given) at -inf."""
+    H, NW, NKV = row_scores.shape
 
     def per_batch():
         forced = batch.forced(sink_blocks, recent_blocks)                     # [NW, NKV]
         ctx = batch.full_table()[0]                                           # [NW, NKV] j <= last
-        bias = torch.zeros(NW, NKV, dtype=torch.float32, device=dev)
+        bias = torch.zeros(NW, NKV, dtype=torch.float32, device=row_scores.device)
         bias.masked_fill_(~ctx, NEG_INF).masked_fill_(forced, float("inf"))
-        counts = budget_row_pages(batch, fraction, sink_blocks, recent_blocks)[:NW]
-        k = torch.tensor(counts, dtype=torch.long).to(dev, non_blocking=True)
-        keep = torch.arange(k_max, device=dev)[None, :] < k[:, None]          # [NW, k_max]
-        return forced, ctx, bias, keep
-
-    forced, ctx, bias, keep = batch.memo(("top_pages", fraction, sink_blocks, recent_blocks), per_batch)
+        return forced, ctx, bias
+    forced, ctx, bias = batch.memo(("ranked", sink_blocks, recent_blocks), per_batch)
     if allowed is None:
-        ranked = row_scores.to(torch.float32) + bias
-    else:
-        ranked = torch.where(forced, float("inf"),
-                             torch.where(ctx & allowed, row_scores.to(torch.float32), NEG_INF))
+        return row_scores.to(torch.float32) + bias
+    return torch.where(forced, float("inf"), torch.where(ctx & allowed, row_scores.to(torch.float32), NEG_INF))
+
+
+def _keep_top(ranked: torch.Tensor, k: torch.Tensor, k_max: int) -> torch.Tensor:
+    """bool [H, NW, NKV]: the k[h, w] best pages of each row of `ranked` (k_max >= every k, on the host)."""
+    H, NW, NKV = ranked.shape
+    k_max = min(NKV, k_max)
+    out = torch.zeros(H, NW, NKV, dtype=torch.bool, device=ranked.device)
+    if k_max <= 0 or NW == 0:
+        return out
     top = ranked.topk(k_max, dim=-1).indices                                  # [H, NW, k_max], best first
-    out = torch.zeros(H, NW, NKV, dtype=torch.bool, device=dev).scatter_(-1, top, keep.expand(H, NW, k_max))
-    if allowed is not None:
-        out &= allowed
-    return out, out.sum(dim=-1, dtype=torch.int32).reshape(-1)
+    keep = torch.arange(k_max, device=ranked.device)[None, None, :] < k[:, :, None]
+    return out.scatter_(-1, top, keep)
 
 
 def qblock_queries(batch: ChunkBatch) -> tuple[torch.Tensor, torch.Tensor]:

@@ -7,6 +7,12 @@ pages any of its query heads kept for any q-block of the window, plus the forced
 page summaries, so it costs O(context pages) per q-block; `query_stride` s scores every s-th
 query of each q-block only (s times cheaper). On CUDA, search, threshold and group union are one
 kernel launch (`kernels/flashprefill.py`), the window union another.
+
+`fix_rows`: the forward pass's first layer thresholds as above; every later layer keeps, in each row,
+exactly as many pages as the first layer's row read, ranked by the threshold's own measure (a page's
+score over its head's best, maxed over the group's heads and the window's q-blocks: `fill`), which is
+the threshold moved per layer and row to give that count. The row lengths are then known on the host
+after the first layer, and one FlashInfer fa3 plan serves the rest of the pass.
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ from dataclasses import dataclass
 
 from sglang_compact.kernels import flashprefill as flashprefill_kernel
 from sglang_compact.kernels import flashprefill_naive, use_triton
-from sglang_compact.selectors.base import Selection, Selector, page_scores, threshold_rows
+from sglang_compact.selectors.base import Selection, Selector, fill_rows, page_scores, threshold_rows, window_scores
 from sglang_compact.selectors.registry import SelectorParams, param, register_selector
 
 
@@ -24,9 +30,12 @@ class FlashPrefillParams(SelectorParams):
     alpha: float = param(0.4, lo=0.0, hi=1.0, help="keep pages scoring >= alpha x the head's best page")
     query_stride: int = param(1, lo=1, hi=16, power_of_two=True,
                               help="score every s-th query of each q-block (s times cheaper search)")
+    fix_rows: bool = param(False, help="later layers keep as many pages per row as the pass's first layer, best "
+                                       "ratio first (fa3 planned once after the first layer)")
 
 
-@register_selector("flashprefill", params=FlashPrefillParams, uses_summaries=True, expected_density=0.5)
+@register_selector("flashprefill", params=FlashPrefillParams, uses_summaries=True, expected_density=0.5,
+                   fixes_rows_at_first_layer=lambda p: p.fix_rows)
 class FlashPrefillSelector(Selector):
     """Threshold on mean-key page scores (FlashPrefill); the default."""
 
@@ -43,3 +52,17 @@ class FlashPrefillSelector(Selector):
         scores = page_scores(batch, summaries, query_stride=p.query_stride)     # [H_q, NQB, NKV]
         mask = threshold_rows(scores, batch.candidates()[None], p.alpha)
         return Selection(mask=mask, scores=scores)
+
+    def fill(self, batch, layer, summaries, counts, max_count):
+        """Exactly `counts[r]` pages per row r (device int [H_kv * NW], largest `max_count`): the forced pages,
+        then the candidates by their best ratio to their head's best score over the window's q-blocks."""
+        p, cfg = self.params, self.config
+        args = (batch.q, batch.device_qblocks(), batch.page_table, summaries.key_sum, summaries.count,
+                batch.sm_scale, batch.num_kv_heads, batch.qblocks.max_pages)
+        if use_triton(batch.q) and flashprefill_kernel.supports(batch.head_dim, batch.page_size, p.query_stride):
+            ratio = flashprefill_kernel.ratio_scores(*args, query_stride=p.query_stride, page_size=batch.page_size)
+        else:
+            ratio = flashprefill_naive.ratio_scores(*args, query_stride=p.query_stride)
+        table, counts = fill_rows(window_scores(ratio, batch), batch, counts, max_count, cfg.sink_blocks,
+                                  cfg.recent_blocks)
+        return Selection(table=table, counts=counts)

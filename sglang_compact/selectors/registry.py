@@ -34,7 +34,7 @@ ENTRY_POINT_GROUP = "sglang_compact.selectors"
 
 def param(default: Any, *, lo: float | None = None, hi: float | None = None, power_of_two: bool = False,
           help: str = "") -> Any:
-    """A selector parameter: its default (whose type is the parameter's kind: float, int, or None for a
+    """A selector parameter: its default (whose type is the parameter's kind: float, int, bool, or None for a
     path string), inclusive bounds (numbers) and help text."""
     return dataclasses.field(default=default, metadata={"lo": lo, "hi": hi, "power_of_two": power_of_two,
                                                         "help": help})
@@ -81,6 +81,10 @@ def _check(f: dataclasses.Field, v: Any, where: str) -> Any:
         if v is not None and not isinstance(v, str):
             raise ValueError(f"{where}: must be a string (a path), got {v!r}")
         return v
+    if kind is bool:
+        if not isinstance(v, bool):
+            raise ValueError(f"{where}: must be true or false, got {v!r}")
+        return v
     if kind is int:
         if isinstance(v, bool) or not isinstance(v, int) or (lo is not None and v < lo) or (hi is not None and v > hi):
             raise ValueError(f"{where}: must be an integer in [{lo}, {hi}], got {v!r}")
@@ -104,6 +108,9 @@ class SelectorSpec:
 
     fixes_row_lengths: the pages each row reads depend only on the lengths (known on the host before any
         search), so a kernel whose plan needs exact lengths (FlashInfer fa3) is planned once per forward pass.
+    fixes_rows_at_first_layer: (from the parameters) the pass's first layer selects as usual and every later
+        layer fills each row to that layer's page count (`Selector.fill`), so the row lengths are known on
+        the host after the first layer and one fa3 plan serves the rest of the pass.
     uses_summaries: it scores the pages' mean keys (`PageSummaries`), which the backend then keeps.
     expected_density: the fraction of a long context it typically reads (from the parameters), which the
         cost gate weighs against its overhead.
@@ -116,6 +123,7 @@ class SelectorSpec:
     uses_summaries: bool
     expected_density: Callable[[SelectorParams], float]
     help: str
+    fixes_rows_at_first_layer: Callable[[SelectorParams], bool] = lambda _p: False
 
     def make(self, config) -> "Selector":
         return self.cls(config)
@@ -127,7 +135,8 @@ _entry_points_loaded = False
 
 def register_selector(name: str, *, params: type[SelectorParams] = NoParams, fixes_row_lengths: bool = False,
                       uses_summaries: bool = False,
-                      expected_density: float | Callable[[SelectorParams], float] = 1.0) -> Callable[[type], type]:
+                      expected_density: float | Callable[[SelectorParams], float] = 1.0,
+                      fixes_rows_at_first_layer: Callable[[SelectorParams], bool] | None = None) -> Callable[[type], type]:
     """Class decorator registering a `Selector` subclass under `name` (re-registering a name replaces it)."""
     if not name or not name.replace("_", "").replace("-", "").isalnum():
         raise ValueError(f"selector name {name!r} must be letters, digits, '-' or '_'")
@@ -137,7 +146,8 @@ def register_selector(name: str, *, params: type[SelectorParams] = NoParams, fix
 
     def deco(cls: type) -> type:
         doc = (cls.__doc__ or "").strip().splitlines()
-        spec = SelectorSpec(name, cls, params, fixes_row_lengths, uses_summaries, density, doc[0] if doc else "")
+        spec = SelectorSpec(name, cls, params, fixes_row_lengths, uses_summaries, density, doc[0] if doc else "",
+                            fixes_rows_at_first_layer or (lambda _p: False))
         cls.name = name
         cls.spec = spec
         _REGISTRY[name] = spec

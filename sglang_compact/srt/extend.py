@@ -6,11 +6,14 @@ the executor; `ExtendPlanner.forward` (each layer's `forward_extend`) only launc
 store (with page summaries), then, in a dense pass, one planned attention run into SGLang's output
 buffer; in a sparse pass, the selection kernels and the rows' attention.
 
-The one exception is the gate's observed-density fallback (`Gate.dense_windows`): a sparse pass whose
-row lengths depend on the scores reads, once, at its first layer, how many pages each row selected
-(one device->host copy per pass); windows that read more than `dense_above` turn dense for the whole
-pass and the executor is planned again (a pass left with no sparse window becomes a dense pass).
-Selectors that fix row lengths are decided at `plan`, from the host lengths, with no copy.
+The one exception: a sparse pass whose row lengths depend on the scores reads, once, at its first layer,
+how many pages each row selected (one device->host copy per pass), for
+* the gate's observed-density fallback (`Gate.dense_windows`): windows that read more than `dense_above`
+  turn dense for the whole pass (a pass left with no sparse window becomes a dense pass);
+* a selector that fixes its rows at the first layer (`flashprefill` with `fix_rows`): every later layer
+  fills each row to that count (`Selector.fill`), so the rows' lengths are known and fa3 is planned once;
+and the executor is planned again for what changed. Selectors that fix row lengths from the lengths alone
+are decided at `plan`, with no copy.
 """
 
 from __future__ import annotations
@@ -39,7 +42,8 @@ class ExtendMetadata:
     template: ChunkBatch   # lengths, q-blocks and page table of the pass; each layer swaps in its tensors
     sparse: bool           # some q-block reads a selection
     recall: tuple[int, int] | None = None   # (layer, kv head) that measures its selection's mass recall
-    observe: bool = False  # the first layer reads the rows' page counts (the gate's observed-density fallback)
+    observe: bool = False  # the first layer reads the rows' page counts (observed-density fallback, fixed rows)
+    fill: tuple[torch.Tensor, int] | None = None   # rows fixed at the first layer: (pages per row, the most)
 
 
 class ExtendPlanner:
@@ -73,8 +77,13 @@ class ExtendPlanner:
         rt.executor.plan_forward(ForwardShape.of(template, row_pages), page_table)
         if rt.telemetry.wants_stats():
             rt.telemetry.begin_forward(prefix, chunk, self._paths(qb, gated), self._sparse_tokens(qb))
-        observe = qb.any_sparse and row_pages is None and gate.observes_density
+        observe = qb.any_sparse and row_pages is None and (gate.observes_density or self._fixes_rows)
         return ExtendMetadata(template, qb.any_sparse, self._recall_target() if qb.any_sparse else None, observe)
+
+    @property
+    def _fixes_rows(self) -> bool:
+        cfg = self.rt.config
+        return cfg.spec.fixes_rows_at_first_layer(cfg.params)
 
     @staticmethod
     def _sparse_tokens(qb: QBlocks) -> int:
@@ -89,26 +98,35 @@ class ExtendPlanner:
         return dataclasses.replace(template, qblocks=qb.with_dense(windows), derived={})
 
     def _observe(self, md: ExtendMetadata, sel) -> bool:
-        """At a sparse pass's first layer: windows whose rows read more than the gate's dense_above turn dense
-        (one device->host copy of the rows' page counts). True when the pass changed (planned again)."""
+        """At a sparse pass's first layer, from the rows' page counts (one device->host copy): windows whose rows
+        read more than the gate's dense_above turn dense, and a selector that fixes its rows at the first layer
+        has them fixed for the pass; the executor is planned again for what changed. True when the windows
+        changed (the first layer selects again)."""
         rt = self.rt
         md.observe = False
         if rt.is_cuda and torch.cuda.is_current_stream_capturing():
             return False
-        qb = md.template.qblocks
-        dense = rt.gate.dense_windows(qb, qb.window_density(sel.counts.tolist(), md.template.num_kv_heads))
-        if not dense:
-            return False
         t = md.template
-        md.template = self._with_dense(t, dense, t.prefix_lens_cpu, t.chunk_lens_cpu)
-        new = md.template.qblocks
-        md.sparse = new.any_sparse
-        if not md.sparse:
-            md.recall = None
-        rt.executor.plan_forward(ForwardShape.of(md.template), t.page_table)
-        if rt.telemetry.wants_stats():
-            rt.telemetry.update_paths(self._paths(new, qb), self._sparse_tokens(new))
-        return True
+        qb, H_kv = t.qblocks, t.num_kv_heads
+        counts = sel.counts.tolist()
+        dense = rt.gate.dense_windows(qb, qb.window_density(counts, H_kv)) if rt.gate.observes_density else []
+        if dense:
+            md.template = self._with_dense(t, dense, t.prefix_lens_cpu, t.chunk_lens_cpu)
+            new = md.template.qblocks
+            md.sparse = new.any_sparse
+            if not md.sparse:
+                md.recall = None
+            if rt.telemetry.wants_stats():
+                rt.telemetry.update_paths(self._paths(new, qb), self._sparse_tokens(new))
+        row_pages = None
+        if md.sparse and self._fixes_rows:
+            new = md.template.qblocks
+            NW, full = new.windows, new.full_counts()
+            row_pages = [c if new.w_sparse[r % NW] else full[r % NW] for r, c in enumerate(counts)]
+            md.fill = (torch.tensor(row_pages, dtype=torch.int32).to(rt.device, non_blocking=True), max(row_pages))
+        if dense or row_pages is not None:
+            rt.executor.plan_forward(ForwardShape.of(md.template, row_pages), t.page_table)
+        return bool(dense)
 
     def _recall_target(self) -> tuple[int, int] | None:
         """Every `recall_every`-th sparse pass (when its stats are read): the layer and kv head that measure the
@@ -178,4 +196,4 @@ class ExtendPlanner:
         rt = self.rt
         batch = dataclasses.replace(md.template, q=q3, k_pool=k_buf, v_pool=v_buf, sm_scale=compat.layer_scaling(layer))
         return batch, rt.compact.select_pages(batch, li, summaries, buffers=rt.executor.index_buffers,
-                                              with_stats=rt.telemetry.wants_stats())
+                                              with_stats=rt.telemetry.wants_stats(), fill=md.fill)
