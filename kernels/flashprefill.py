@@ -139,7 +139,8 @@ def _launch(mode, q, qb, page_table, key_sum, count, sm_scale, num_kv_heads, n_p
         q = q.contiguous()
     G = H_q // num_kv_heads
     GP = triton.next_power_of_2(G)
-    cfg = launch_config(GP * P // query_stride, n_pages, mode in (GROUP_SCORES, GROUP_RATIO)) if config is None else config
+    grouped = mode in (GROUP_SCORES, GROUP_RATIO)
+    cfg = launch_config(GP * P // query_stride, n_pages, grouped) if config is None else config
     _search_kernel[(num_kv_heads, NQB)](
         q, qb["req"], qb["cand"], qb["start"], qb["length"], page_table, key_sum, count, out,
         q.stride(0), q.stride(1), page_table.stride(0), H_q, num_kv_heads, NQB, n_pages, float(sm_scale), float(alpha),

@@ -152,5 +152,6 @@ class CompactConfig:
         window = "auto" if self.union_window is None else self.union_window
         return (f"selector={self.selector!r}({p}), page {self.block_size}, sink {self.sink_blocks}, "
                 f"recent {self.recent_blocks}, union_window {window}, min_context {gate}, dense_tail "
-                f"{self.dense_tail}, dense_above {'auto' if self.dense_above is None else self.dense_above}, density_cap {self.density_cap}, prefill_kernel {self.prefill_kernel}"
+                f"{self.dense_tail}, dense_above {'auto' if self.dense_above is None else self.dense_above}, "
+                f"density_cap {self.density_cap}, prefill_kernel {self.prefill_kernel}"
                 + (f", recall every {self.recall_every} sparse passes" if self.recall_every else ""))

@@ -101,7 +101,6 @@ class CostModel:
             best = n * P
         return best
 
-
     def break_even_density(self, shape: ModelShape, dense_kernel: str, rows_kernel: str,
                            query_stride: int = 1) -> float:
         """The density below which a window's sparse rows (search included, GPU time) are predicted faster than
@@ -170,7 +169,7 @@ class Gate:
         window = config.window_tokens(chunk_size)
         model = cost_model_for(device_name)
         above, above_source = None, ""
-        if config.dense_above is None and model is not None:
+        if config.dense_above is None and model is not None and config.selector != "dense":
             rk = rows_kernel or kernel
             qs = getattr(config.params, "query_stride", 1)
             above = model.break_even_density(shape, kernel, rk, qs)

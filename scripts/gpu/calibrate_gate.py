@@ -147,7 +147,8 @@ def main() -> int:
                     points.append(dict(model=name, path="sparse", selector=selector, kernel=kernel, context=context,
                                        chunk=chunk, density=d, ms_select=ms_sel, ms_attention=ms_att, ms=ms_layer))
                 print(f"{name} chunk {chunk} context {context}: " + ", ".join(
-                    f"{p['path']}/{p.get('selector', '')}/{p['kernel']} {p['ms']:.3f} ms" for p in points[-5:]), flush=True)
+                    f"{p['path']}/{p.get('selector', '')}/{p['kernel']} {p['ms']:.3f} ms" for p in points[-5:]),
+                    flush=True)
     # host time per layer: a small pass (context 4096, chunk 256) where launches bound the layer
     shape = SHAPES["llama-8b"]
     fn, _ = dense_fn(shape, 4096, 256, "fa3")

@@ -136,7 +136,8 @@ _entry_points_loaded = False
 def register_selector(name: str, *, params: type[SelectorParams] = NoParams, fixes_row_lengths: bool = False,
                       uses_summaries: bool = False,
                       expected_density: float | Callable[[SelectorParams], float] = 1.0,
-                      fixes_rows_at_first_layer: Callable[[SelectorParams], bool] | None = None) -> Callable[[type], type]:
+                      fixes_rows_at_first_layer: Callable[[SelectorParams], bool] | None = None
+                      ) -> Callable[[type], type]:
     """Class decorator registering a `Selector` subclass under `name` (re-registering a name replaces it)."""
     if not name or not name.replace("_", "").replace("-", "").isalnum():
         raise ValueError(f"selector name {name!r} must be letters, digits, '-' or '_'")

@@ -124,7 +124,8 @@ def build_config(ns: argparse.Namespace, page_size: int) -> CompactConfig:
                          selector_modules=tuple(ns.compact_selector_module), sink_blocks=ns.compact_sink_blocks,
                          recent_blocks=ns.compact_recent_blocks, union_window=ns.compact_union_window,
                          min_context=ns.compact_min_context,
-                         dense_tail=ns.compact_dense_tail, dense_above=ns.compact_dense_above, density_cap=ns.compact_density_cap,
+                         dense_tail=ns.compact_dense_tail, dense_above=ns.compact_dense_above,
+                         density_cap=ns.compact_density_cap,
                          prefill_kernel=ns.compact_prefill_kernel, recall_every=ns.compact_recall_every)
 
 
