@@ -50,9 +50,10 @@ class CompactConfig:
             sparse path is predicted to be faster on this GPU for this model.
         dense_tail: the last `dense_tail` prompt tokens read every page (the
             question of a long-context prompt), >= 0.
-        dense_above: a sparse window whose selection at the pass's first layer
-            reads more than this share of its context pages (mean over the kv
-            heads) reads every page instead, in every layer: where the sparse
+        dense_above: a sparse window whose selection at the pass's observing
+            layer (its second: the first reads every page) reads more than
+            this share of its context pages (mean over the kv heads) reads
+            every page instead, in every layer: where the sparse
             rows would cost more than the dense pass they replace. In [0, 1]
             (1: never); None (the default): the cost model's break-even density
             on this GPU (`sglang_compact.gate`), never without one.

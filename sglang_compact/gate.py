@@ -12,7 +12,8 @@ never on how a prompt was cut into chunks or batched, so a request's answer
 does not depend on what was cached before it.
 
 A sparse window whose selection turns out dense reads every page instead
-(`dense_windows`): at the forward pass's first layer, where its row would read
+(`dense_windows`): at the forward pass's observing layer (its second; the
+first reads every page, its attention being broad), where its row would read
 more than `dense_above` of its context pages (mean over the kv heads), the
 window is dense in every layer of the pass. That density depends only on the
 window's queries and the keys before it, so the decision too is independent of
@@ -146,7 +147,8 @@ class Gate:
         if dense_above is None:
             dense_above = 1.0 if config.dense_above is None else config.dense_above
             dense_above_source = dense_above_source or ("never" if config.dense_above is None else "flag")
-        #: a sparse window whose first-layer selection reads more than this share of its pages reads every page
+        #: a sparse window whose selection at the observing layer reads more than this share of its pages reads
+        #: every page
         self.dense_above = float(dense_above)
         self.dense_above_source = dense_above_source
 
@@ -217,7 +219,7 @@ class Gate:
     def describe(self) -> str:
         d = self.decision
         where = "never" if d.never else f"from {d.min_context} tokens of context"
-        above = (f"windows reading more than {self.dense_above:.2f} of their pages at the first layer read every "
+        above = (f"windows reading more than {self.dense_above:.2f} of their pages at the observing layer read every "
                  f"page ({self.dense_above_source})" if self.observes_density else
                  f"no observed-density fallback ({self.dense_above_source})")
         return (f"sparse {where} ({d.source}: {d.detail}); {above}; union window {self.window} tokens; dense tail "

@@ -44,6 +44,11 @@ def prompts(n=6, seed=0):
     return [[rng.randrange(200, 40000) for _ in range(L)] for L in lengths]
 
 
+#: a density between what the windows just past the gate read (their forced pages alone are ~1/3 of their
+#: context) and what the later ones read, for the prompt of the cache test
+DENSE_ABOVE_MIXED = "0.6"
+
+
 def greedy(server, ids):
     return greedy_with_top2(server, ids, NEW)
 
@@ -71,12 +76,16 @@ def test_dense_reads_match_torch_native(model_dir, selector_args):
     assert_same_tokens(want, got, selector_args[1])
 
 
-@pytest.mark.parametrize("params", ['{}', '{"fix_rows": true}'], ids=["per-layer rows", "rows fixed at layer 0"])
-def test_flashprefill_answer_does_not_depend_on_the_cache(model_dir, params):
+@pytest.mark.parametrize("params, extra", [
+    ('{}', []),
+    ('{"fix_rows": true}', []),
+    ('{}', ["--compact-dense-above", DENSE_ABOVE_MIXED]),
+], ids=["per-layer rows", "rows fixed at layer 0", "some windows dense by their density"])
+def test_flashprefill_answer_does_not_depend_on_the_cache(model_dir, params, extra):
     ids = prompts(n=6, seed=1)[-1][:1200 + 5]
     args = COMPACT + ["--compact-selector", "flashprefill", "--compact-min-context", "256",
                       "--compact-sink-blocks", "1", "--compact-recent-blocks", "2", "--compact-dense-tail", "64",
-                      "--compact-selector-params", params, "--enable-metrics"]
+                      "--compact-selector-params", params, "--enable-metrics"] + extra
     with server(model_dir, args) as srv:
         first = greedy(srv, ids)
         again = greedy(srv, ids)                      # served from the radix cache: 1200 tokens cached
@@ -96,6 +105,8 @@ def test_flashprefill_answer_does_not_depend_on_the_cache(model_dir, params):
     assert f"fix_rows={'fix_rows' in params}" in log
     assert metric_value(metrics, "sglang:compact_qblocks_total", 'path="sparse"') > 0
     assert metric_value(metrics, "sglang:compact_qblocks_total", 'path="dense_tail"') > 0
+    if extra:   # windows near the gate (forced pages a large share of their context) turn dense, later ones not
+        assert metric_value(metrics, "sglang:compact_qblocks_total", 'path="dense_density"') > 0
 
 
 def test_a_selector_from_a_test_module_is_served(model_dir):

@@ -39,7 +39,7 @@ def known_methods(budgets: list[float]) -> list[Method]:
             ms.append(Method(f"{prefix}_{tag}", "compact", bk, sel, fixed_density=d))
     for tag, sel, d in sels:
         ms.append(Method(f"bsparse_{tag}", "bsparse", None, sel, fixed_density=d))
-    # the default selector with its rows fixed at the pass's first layer (on fa3: planned once)
+    # the default selector with its rows fixed at the pass's observing layer (on fa3: planned once)
     for prefix, bk in (("compact", "fa2"), ("compact_fa3", "fa3")):
         ms.append(Method(f"{prefix}_flashprefill_fixed", "compact", bk, "flashprefill", params={"fix_rows": True}))
     ms.append(Method("quoka", "quoka"))

@@ -1,7 +1,7 @@
 """`compact_<sel>` / `compact_fa3_<sel>`: `CompactAttention.select_pages` + the executor's one causal paged pass over
 the rows (kv head, window), end to end as the server runs a layer (the executor planned once per forward pass,
 outside), then its search, union, index and attention timed on their own. A selector that fixes its rows at the
-pass's first layer (`compact_fa3_flashprefill_fixed`) is timed as a later layer: the first layer's row counts plan
+pass's observing layer (`compact_fa3_flashprefill_fixed`) is timed as a later layer: the observing layer's row counts plan
 the executor, and the layer fills each row to them."""
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def run_compact(run: ConfigRun, m: Method, row: dict):
     ca = CompactAttention(selector_config(args, m, run.window))
     fill, rows = None, ca.row_pages(b)
     if ca.config.spec.fixes_rows_at_first_layer(ca.config.params):
-        first = ca.select_pages(b, 0, run.summaries)     # the pass's first layer: its threshold fixes the rows
+        first = ca.select_pages(b, 0, run.summaries)     # the observing layer: its threshold fixes the rows
         fill, rows = (first.counts, int(first.counts.max())), first.counts.tolist()
     ex, bf_ms = run.executor(m.backend, rows if m.backend == "fa3" else None)
     buffers = ex.index_buffers
@@ -58,7 +58,7 @@ def run_compact(run: ConfigRun, m: Method, row: dict):
         row["note"] = "fa3 executor planned once per forward pass from the host-known row lengths"
     if fill is not None:
         row["note"] = (row.get("note", "") + "; " if row.get("note") else "") + \
-            "rows fixed by a first layer's counts; the layer timed fills each row to them"
+            "rows fixed by an earlier layer's counts; the layer timed fills each row to them"
 
     def e2e():
         ps = ca.select_pages(b, 0, run.summaries, buffers=buffers, fill=fill)  # as the server runs it (metrics off)

@@ -8,11 +8,12 @@ page summaries, so it costs O(context pages) per q-block; `query_stride` s score
 query of each q-block only (s times cheaper). On CUDA, search, threshold and group union are one
 kernel launch (`kernels/flashprefill.py`), the window union another.
 
-`fix_rows`: the forward pass's first layer thresholds as above; every later layer keeps, in each row,
-exactly as many pages as the first layer's row read, ranked by the threshold's own measure (a page's
-score over its head's best, maxed over the group's heads and the window's q-blocks: `fill`), which is
-the threshold moved per layer and row to give that count. The row lengths are then known on the host
-after the first layer, and one FlashInfer fa3 plan serves the rest of the pass.
+`fix_rows`: the forward pass's observing layer (its second; the first reads every page) thresholds
+as above; every later layer keeps, in each row, exactly as many pages as that layer's row read,
+ranked by the threshold's own measure (a page's score over its head's best, maxed over the group's
+heads and the window's q-blocks: `fill`), which is the threshold moved per layer and row to give
+that count. The row lengths are then known on the host
+after the observing layer, and one FlashInfer fa3 plan serves the rest of the pass.
 """
 
 from __future__ import annotations
@@ -30,8 +31,8 @@ class FlashPrefillParams(SelectorParams):
     alpha: float = param(0.4, lo=0.0, hi=1.0, help="keep pages scoring >= alpha x the head's best page")
     query_stride: int = param(1, lo=1, hi=16, power_of_two=True,
                               help="score every s-th query of each q-block (s times cheaper search)")
-    fix_rows: bool = param(False, help="later layers keep as many pages per row as the pass's first layer, best "
-                                       "ratio first (fa3 planned once after the first layer)")
+    fix_rows: bool = param(False, help="later layers keep as many pages per row as the pass's second layer, "
+                                       "best ratio first (fa3 planned once after it)")
 
 
 @register_selector("flashprefill", params=FlashPrefillParams, uses_summaries=True, expected_density=0.5,

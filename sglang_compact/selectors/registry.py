@@ -108,9 +108,10 @@ class SelectorSpec:
 
     fixes_row_lengths: the pages each row reads depend only on the lengths (known on the host before any
         search), so a kernel whose plan needs exact lengths (FlashInfer fa3) is planned once per forward pass.
-    fixes_rows_at_first_layer: (from the parameters) the pass's first layer selects as usual and every later
-        layer fills each row to that layer's page count (`Selector.fill`), so the row lengths are known on
-        the host after the first layer and one fa3 plan serves the rest of the pass.
+    fixes_rows_at_first_layer: (from the parameters) the pass's first selecting layer (its observing layer,
+        `srt/extend.py`) selects as usual and every later layer fills each row to that layer's page count
+        (`Selector.fill`), so the row lengths are known on the host after it and one fa3 plan serves the rest
+        of the pass.
     uses_summaries: it scores the pages' mean keys (`PageSummaries`), which the backend then keeps.
     expected_density: the fraction of a long context it typically reads (from the parameters), which the
         cost gate weighs against its overhead.

@@ -70,7 +70,7 @@ def add_compact_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--compact-dense-tail", type=int, default=d.dense_tail, metavar="TOKENS",
                    help=f"the last TOKENS prompt tokens read every page (default {d.dense_tail}; 0: off)")
     g.add_argument("--compact-dense-above", type=_dense_above, default=None, metavar="auto|DENSITY",
-                   help="a sparse window whose selection at the forward pass's first layer reads more than DENSITY "
+                   help="a sparse window whose selection at the forward pass's second layer reads more than DENSITY "
                         "of its context pages reads every page instead (1: never); auto (default): the cost "
                         "model's break-even density for this GPU, where the sparse rows stop paying")
     g.add_argument("--compact-density-cap", type=float, default=None,

@@ -6,14 +6,15 @@ the executor; `ExtendPlanner.forward` (each layer's `forward_extend`) only launc
 store (with page summaries), then, in a dense pass, one planned attention run into SGLang's output
 buffer; in a sparse pass, the selection kernels and the rows' attention.
 
-The one exception: a sparse pass whose row lengths depend on the scores reads, once, at its first layer,
-how many pages each row selected (one device->host copy per pass), for
+The one exception: a sparse pass whose row lengths depend on the scores reads, once, at its observing
+layer, how many pages each row selected (one device->host copy per pass), for
 * the gate's observed-density fallback (`Gate.dense_windows`): windows that read more than `dense_above`
   turn dense for the whole pass (a pass left with no sparse window becomes a dense pass);
-* a selector that fixes its rows at the first layer (`flashprefill` with `fix_rows`): every later layer
+* a selector that fixes its rows there (`flashprefill` with `fix_rows`): every later layer
   fills each row to that count (`Selector.fill`), so the rows' lengths are known and fa3 is planned once;
-and the executor is planned again for what changed. Selectors that fix row lengths from the lengths alone
-are decided at `plan`, with no copy.
+and the executor is planned again for what changed. The observing layer is the pass's second: the first
+reads every page (its attention is broad, its density says little of the other layers'). Selectors that
+fix row lengths from the lengths alone are decided at `plan`, with no copy, and every layer selects.
 """
 
 from __future__ import annotations
@@ -42,8 +43,10 @@ class ExtendMetadata:
     template: ChunkBatch   # lengths, q-blocks and page table of the pass; each layer swaps in its tensors
     sparse: bool           # some q-block reads a selection
     recall: tuple[int, int] | None = None   # (layer, kv head) that measures its selection's mass recall
-    observe: bool = False  # the first layer reads the rows' page counts (observed-density fallback, fixed rows)
-    fill: tuple[torch.Tensor, int] | None = None   # rows fixed at the first layer: (pages per row, the most)
+    observe: bool = False  # the next sparse layer reads the rows' page counts (density fallback, fixed rows)
+    fill: tuple[torch.Tensor, int] | None = None   # rows fixed at the observing layer: (pages per row, the most)
+    dense_layers: int = 0  # layers that read every page before the observing one
+    executor_dense: bool = False   # the executor is planned for the dense first layer (until the observing one)
 
 
 class ExtendPlanner:
@@ -74,11 +77,17 @@ class ExtendPlanner:
                 template = self._with_dense(template, dense, prefix, chunk)
                 qb = template.qblocks
                 row_pages = rt.compact.row_pages(template) if qb.any_sparse else None
-        rt.executor.plan_forward(ForwardShape.of(template, row_pages), page_table)
+        observe = qb.any_sparse and row_pages is None and (gate.observes_density or self._fixes_rows)
+        # the pass's first layer then reads every page and the second observes: a first layer's attention is broad
+        # (SmolLM2: density 0.94 at layer 0, 0.33-0.82 after), so its density would turn every window dense
+        dense_layers = 1 if observe and rt.view.num_layers > 1 else 0
+        shape_of = dataclasses.replace(template, qblocks=qb.with_dense(range(qb.windows)), derived={}) \
+            if dense_layers else template
+        rt.executor.plan_forward(ForwardShape.of(shape_of, None if dense_layers else row_pages), page_table)
         if rt.telemetry.wants_stats():
             rt.telemetry.begin_forward(prefix, chunk, self._paths(qb, gated), self._sparse_tokens(qb))
-        observe = qb.any_sparse and row_pages is None and (gate.observes_density or self._fixes_rows)
-        return ExtendMetadata(template, qb.any_sparse, self._recall_target() if qb.any_sparse else None, observe)
+        return ExtendMetadata(template, qb.any_sparse, self._recall_target() if qb.any_sparse else None, observe,
+                              dense_layers=dense_layers, executor_dense=bool(dense_layers))
 
     @property
     def _fixes_rows(self) -> bool:
@@ -97,15 +106,15 @@ class ExtendPlanner:
                                                                   for w in windows], self.rt.gate.dense_above)
         return dataclasses.replace(template, qblocks=qb.with_dense(windows), derived={})
 
-    def _observe(self, md: ExtendMetadata, sel) -> bool:
-        """At a sparse pass's first layer, from the rows' page counts (one device->host copy): windows whose rows
-        read more than the gate's dense_above turn dense, and a selector that fixes its rows at the first layer
-        has them fixed for the pass; the executor is planned again for what changed. True when the windows
-        changed (the first layer selects again)."""
+    def _observe(self, md: ExtendMetadata, sel, executor_dense: bool) -> bool:
+        """At a sparse pass's observing layer, from the rows' page counts (one device->host copy): windows whose
+        rows read more than the gate's dense_above turn dense, and a selector that fixes its rows there has them
+        fixed for the pass; the executor is planned again for what changed (`executor_dense`: it was planned
+        for the dense first layer). True when the windows changed (the layer selects again)."""
         rt = self.rt
         md.observe = False
         if rt.is_cuda and torch.cuda.is_current_stream_capturing():
-            return False
+            return False   # (a dense-planned executor then runs every layer dense: `run` follows its plan)
         t = md.template
         qb, H_kv = t.qblocks, t.num_kv_heads
         counts = sel.counts.tolist()
@@ -124,7 +133,8 @@ class ExtendPlanner:
             NW, full = new.windows, new.full_counts()
             row_pages = [c if new.w_sparse[r % NW] else full[r % NW] for r, c in enumerate(counts)]
             md.fill = (torch.tensor(row_pages, dtype=torch.int32).to(rt.device, non_blocking=True), max(row_pages))
-        if dense or row_pages is not None:
+        replan = executor_dense or bool(dense) or row_pages is not None if md.sparse else not executor_dense
+        if replan:
             rt.executor.plan_forward(ForwardShape.of(md.template, row_pages), t.page_table)
         return bool(dense)
 
@@ -174,9 +184,11 @@ class ExtendPlanner:
         if q3.dtype != k_buf.dtype:
             q3 = q3.to(k_buf.dtype)
         sel = None
-        if md.sparse:
+        if md.sparse and md.dense_layers:
+            md.dense_layers -= 1
+        elif md.sparse:
             sel = self._select(md, q3, k_buf, v_buf, layer, li, summaries)
-            if md.observe and self._observe(md, sel[1]):
+            if md.observe and self._observe(md, sel[1], md.executor_dense):
                 sel = self._select(md, q3, k_buf, v_buf, layer, li, summaries) if md.sparse else None
         if sel is None:
             out = compat.take_attention_output(fb, q3) if q3.dtype == q.dtype else None

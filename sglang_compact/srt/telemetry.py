@@ -23,7 +23,7 @@ Series (labels: SGLang's `model_name`, `tp_rank`, plus those below):
                                             `dense_context` (context below the gate's min_context),
                                             `dense_tail` (in the prompt's dense tail), `dense` (selector dense),
                                             `dense_density` (its window's selection read more than the gate's
-                                            dense_above at the pass's first layer)
+                                            dense_above at the pass's observing layer)
   sglang:compact_tokens_total               counter, tokens of sparse q-blocks
   sglang:compact_gate_min_context           gauge, context (tokens) from which q-blocks go sparse; -1: never
   sglang:compact_gate_dense_above           gauge, density above which a sparse window reads every page (1: never)
@@ -74,7 +74,7 @@ class CompactMetrics:
                            "latest measured pass).", labelnames=names, multiprocess_mode="mostrecent", **kw)
         gate = Gauge("sglang:compact_gate_min_context", "Context (tokens) from which q-blocks read a selection; "
                      "-1: never.", labelnames=names, multiprocess_mode="mostrecent", **kw)
-        above = Gauge("sglang:compact_gate_dense_above", "Density (at the pass's first layer) above which a sparse "
+        above = Gauge("sglang:compact_gate_dense_above", "Density (at the pass's observing layer) above which a sparse "
                       "window reads every page; 1: never.", labelnames=names, multiprocess_mode="mostrecent", **kw)
         # label children resolved once: the per-forward update is plain float writes
         self._density = {layer: density.labels(**self.labels, layer=str(layer)) for layer in range(num_layers)}
@@ -141,7 +141,7 @@ class CompactTelemetry:
                           qblocks={p: int(qblock_paths.get(p, 0)) for p in PATHS}, sparse_tokens=int(sparse_tokens))
 
     def update_paths(self, qblock_paths: dict[str, int], sparse_tokens: int) -> None:
-        """The current pass's paths after windows turned dense at its first layer."""
+        """The current pass's paths after windows turned dense at its observing layer."""
         if self._pass is not None:
             self._pass.update(qblocks={p: int(qblock_paths.get(p, 0)) for p in PATHS}, sparse_tokens=int(sparse_tokens))
 
