@@ -24,7 +24,8 @@ kernel costs for all of them.
 
 `min_context` is the `--compact-min-context` flag when given; otherwise the
 break-even context of the cost model: per layer, the sparse path costs its
-search, its attention over the expected density of pages and a fixed
+search, its attention over the expected density of pages (on the kernel its
+rows run on, which may be slower than the dense pass's) and a fixed
 overhead, on the GPU and on the host (launches), against the dense
 attention it replaces; the smallest context from which it is predicted faster
 (by `margin`) for this model's heads and the server's chunk size is where the
@@ -79,24 +80,29 @@ class CostModel:
     source: str = ""
 
     def layer_times(self, shape: ModelShape, context: int, chunk: int, density: float, kernel: str,
-                    query_stride: int = 1, forced_pages: int = 0) -> tuple[float, float]:
-        """(dense, sparse) seconds of one layer for a chunk of `chunk` tokens after `context` tokens."""
+                    query_stride: int = 1, forced_pages: int = 0,
+                    rows_kernel: str | None = None) -> tuple[float, float]:
+        """(dense, sparse) seconds of one layer for a chunk of `chunk` tokens after `context` tokens; `kernel` runs
+        the dense attention, `rows_kernel` (default: the same) the sparse rows."""
         H, D, P = shape.num_q_heads, shape.head_dim, shape.page_size
         attended = context + chunk / 2
         dense_gpu = 4.0 * chunk * attended * H * D / self.dense_flops[kernel]
         read = min(attended, density * attended + forced_pages * P)
         search = 4.0 * (chunk / query_stride) * (attended / P) * H * D / self.search_flops
-        sparse_gpu = 4.0 * chunk * read * H * D / self.rows_flops[kernel] + search + self.sparse_gpu_s
+        rows = self.rows_flops[rows_kernel or kernel]
+        sparse_gpu = 4.0 * chunk * read * H * D / rows + search + self.sparse_gpu_s
         return max(self.dense_host_s, dense_gpu), max(self.sparse_host_s, sparse_gpu)
 
     def break_even(self, shape: ModelShape, chunk: int, density: float, kernel: str, max_context: int,
-                   query_stride: int = 1, forced_pages: int = 0) -> int | None:
+                   query_stride: int = 1, forced_pages: int = 0, rows_kernel: str | None = None) -> int | None:
         """Smallest context (a multiple of the page size) from which the sparse path is predicted faster by
-        `margin` at every longer context up to `max_context`; None when it never is."""
+        `margin` at every longer context up to `max_context`; None when it never is. `kernel`: the dense
+        attention's; `rows_kernel`: the sparse rows' (default: the same)."""
         P = shape.page_size
         best = None
         for n in range(cdiv(max_context, P), 0, -1):
-            dense, sparse = self.layer_times(shape, n * P, chunk, density, kernel, query_stride, forced_pages)
+            dense, sparse = self.layer_times(shape, n * P, chunk, density, kernel, query_stride, forced_pages,
+                                             rows_kernel)
             if sparse > (1 - self.margin) * dense:
                 break
             best = n * P
@@ -170,9 +176,9 @@ class Gate:
         spec = config.spec
         window = config.window_tokens(chunk_size)
         model = cost_model_for(device_name)
+        rk = rows_kernel or kernel
         above, above_source = None, ""
         if config.dense_above is None and model is not None and config.selector != "dense":
-            rk = rows_kernel or kernel
             qs = getattr(config.params, "query_stride", 1)
             above = model.break_even_density(shape, kernel, rk, qs)
             above_source = f"cost model {model.gpu}: {kernel} dense vs {rk} rows"
@@ -190,10 +196,11 @@ class Gate:
         chunk = chunk_size if chunk_size and chunk_size > 0 else 8192
         qs = getattr(config.params, "query_stride", 1)
         forced = config.sink_blocks + config.recent_blocks + window // shape.page_size
-        be = model.break_even(shape, chunk, density, kernel, max_context, qs, forced)
+        # the rows' kernel, not the dense one: the default selector's rows run on fa2 where the dense pass runs fa3
+        be = model.break_even(shape, chunk, density, kernel, max_context, qs, forced, rk)
         detail = (f"cost model {model.gpu} ({model.source}): heads {shape.num_q_heads}/{shape.num_kv_heads}, "
                   f"head_dim {shape.head_dim}, page {shape.page_size}, chunk {chunk}, expected density "
-                  f"{density:.2f}, kernel {kernel}: ")
+                  f"{density:.2f}, {kernel} dense vs {rk} rows: ")
         if be is None:
             return gate(GateDecision(NEVER, "cost model", detail + f"never pays up to {max_context} tokens"))
         return gate(GateDecision(be, "cost model", detail + f"pays from {be} tokens of context"))

@@ -36,6 +36,30 @@ def test_break_even_none_when_the_overhead_never_pays():
     assert model().break_even(SHAPE_8B, 1024, 1.0, "fa3", 131072) is None  # nothing saved at density 1
 
 
+def test_the_gate_prices_the_rows_on_their_own_kernel():
+    """The default selector's rows run on fa2 while the dense pass runs fa3: the gate opens later (or never) than
+    if the rows ran on fa3, and its log line names both kernels."""
+    m = model(rows_flops={"fa2": 200e12, "fa3": 480e12})
+    assert m.break_even(SHAPE_8B, 8192, 0.35, "fa3", 131072) is not None
+    assert m.break_even(SHAPE_8B, 8192, 0.35, "fa3", 131072, rows_kernel="fa2") is None
+    assert m.break_even(SHAPE_8B, 8192, 0.3, "fa3", 131072, rows_kernel="fa2") is not None
+    L = 65536
+    assert m.layer_times(SHAPE_8B, L, 1024, 0.3, "fa3", rows_kernel="fa2")[1] > m.layer_times(SHAPE_8B, L, 1024, 0.3,
+                                                                                            "fa3")[1]
+    assert m.layer_times(SHAPE_8B, L, 1024, 0.3, "fa3", rows_kernel="fa2")[0] == m.layer_times(SHAPE_8B, L, 1024, 0.3,
+                                                                                             "fa3")[0]
+    # rows at density 0.5 on a kernel at 200 TF/s against dense at 500: never 10% faster
+    assert m.break_even(SHAPE_8B, 1024, 0.5, "fa3", 131072, rows_kernel="fa2") is None
+    from unittest import mock
+
+    cfg = CompactConfig(block_size=64)
+    with mock.patch("sglang_compact.gate.cost_model_for", return_value=m):
+        fa2_rows = Gate.for_server(cfg, SHAPE_8B, 1024, "test", "fa3", 131072, rows_kernel="fa2").decision
+        fa3_rows = Gate.for_server(cfg, SHAPE_8B, 1024, "test", "fa3", 131072, rows_kernel="fa3").decision
+    assert fa2_rows.never and "fa3 dense vs fa2 rows" in fa2_rows.detail   # flashprefill expects density 0.5
+    assert not fa3_rows.never and "fa3 dense vs fa3 rows" in fa3_rows.detail
+
+
 def test_gate_sources():
     shape, cfg = SHAPE_8B, CompactConfig(block_size=64)
     assert Gate.for_server(cfg.replace(min_context=5000), shape, 1024, "any", "fa3", 131072).decision == \

@@ -186,8 +186,9 @@ def main() -> int:
     for name, shape in SHAPES.items():
         for chunk in chunks:
             for d in (0.3, 0.5):
-                be = model.break_even(shape, chunk, d, "fa3", 131072)
-                print(f"break-even {name} chunk {chunk} density {d}: {be}")
+                for rows in ("fa2", "fa3"):
+                    be = model.break_even(shape, chunk, d, "fa3", 131072, rows_kernel=rows)
+                    print(f"break-even {name} chunk {chunk} density {d}, fa3 dense vs {rows} rows: {be}")
         for dense, rows in (("fa3", "fa2"), ("fa3", "fa3"), ("fa2", "fa2")):
             print(f"break-even density {name}, {dense} dense vs {rows} rows: "
                   f"{model.break_even_density(shape, dense, rows):.3f}")
