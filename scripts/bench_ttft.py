@@ -389,8 +389,9 @@ def replot(a) -> int:
     if not rows:
         raise SystemExit(f"{a.replot}: no ttft rows of whole models dated {a.replot_date!r}*")
     out = Path(a.out_dir) / f"{a.name}.png"
-    plot(rows, out, f"Time to first token against stock SGLang flashinfer ({rows[0].get('gpu', '')}, "
-                    f"{a.replot_date}*)")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    runs = ", ".join(sorted({r["date"][:16] for r in rows}))
+    plot(rows, out, f"Time to first token against stock SGLang flashinfer ({rows[0].get('gpu', '')}; runs {runs})")
     print(f"{out}: {len(rows)} rows of {len({r['model'] for r in rows})} model(s)")
     return 0
 
