@@ -144,6 +144,13 @@ def test_offline_density_and_parse(tiny):
     assert F.parse_method("quoka").params == (("kv_budget", 0.25), ("query_ratio", 0.25))
     with pytest.raises(ValueError):
         F.parse_method("sparse:flashprefill")
+    # booleans parse; what the selector does not take fails at parsing, before any server or model starts
+    assert dict(F.parse_method("compact:flashprefill:fix_rows=true,query_stride=2").params) == \
+        {"fix_rows": True, "query_stride": 2}
+    with pytest.raises(ValueError, match="unknown parameter.*dense_above.*given to the server"):
+        F.parse_method("compact:flashprefill:dense_above=1")
+    with pytest.raises(ValueError, match="must be a number or true/false"):
+        F.parse_method("compact:flashprefill:alpha=high")
 
 
 def test_hf_chunked_generation(tiny):

@@ -197,14 +197,28 @@ def parse_method(text: str) -> Method:
         raise ValueError(f"bad method {text!r}: use dense | compact:SELECTOR[:k=v,...] | blocksparse:SELECTOR[:k=v,...] "
                          "| quoka[:query_ratio=..,kv_budget=..]")
     params = _parse_params(parts[2] if len(parts) > 2 else "")
-    return Method(kind, parts[1], tuple(sorted(params.items())))
+    m = Method(kind, parts[1], tuple(sorted(params.items())))
+    try:   # the selector's own validation, before any server or model starts
+        m.config(16, 2, 4, 0)
+    except ValueError as e:
+        raise ValueError(f"bad method {text!r}: {e} (after the selector come its parameters and dense_tail only; "
+                         f"server flags such as --compact-dense-above are given to the server)") from None
+    return m
 
 
 def _parse_params(text: str) -> dict[str, Any]:
+    """'k=v,...': integers, floats and true/false."""
     out: dict[str, Any] = {}
     for item in filter(None, text.split(",")):
         k, _, v = item.partition("=")
-        out[k.strip()] = int(v) if v.strip().lstrip("-").isdigit() else float(v)
+        v = v.strip()
+        if v.lower() in ("true", "false"):
+            out[k.strip()] = v.lower() == "true"
+            continue
+        try:
+            out[k.strip()] = int(v) if v.lstrip("-").isdigit() else float(v)
+        except ValueError:
+            raise ValueError(f"parameter {item!r}: the value must be a number or true/false") from None
     return out
 
 
