@@ -36,3 +36,28 @@ def test_dry_run_prints_the_plan_and_the_kv_per_rank():
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_ttft.py"), "--model", "llama-3.1-8b",
                         "--contexts", "131072", "--dry-run"], capture_output=True, text=True, timeout=120)
     assert r.returncode != 0 and "exceeds the model's 131072 positions" in r.stderr
+
+
+def test_replot_draws_the_rows_of_the_dated_runs(tmp_path):
+    """--replot: the ttft rows dated with the prefix, into a folder it makes; runs of whole models only."""
+    pytest.importorskip("matplotlib")
+    import json
+
+    def row(method, ctx, ms, date, cmd="python3 scripts/bench_ttft.py --model llama-3.1-8b"):
+        return {"bench": "ttft", "model": "m", "context": ctx, "chunk": 1024, "batch": 1, "method": method,
+                "ms": ms, "speedup_vs_flashinfer": 100.0 / ms, "gpu": "G", "date": date, "cmd": cmd}
+    rows = [row("flashinfer", c, 100.0, "2026-12-01T20:58:48") for c in (4096, 8192)] + \
+        [row("compact", c, 90.0, "2026-12-01T21:03:04") for c in (4096, 8192)] + \
+        [row("compact", 4096, 50.0, "2026-11-30T10:00:00"),
+         row("compact", 4096, 50.0, "2026-12-01T22:00:00", cmd="bench_ttft.py --layers 4")]
+    src = tmp_path / "speed.json"
+    src.write_text(json.dumps(rows))
+    out = tmp_path / "new" / "dir"
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_ttft.py"), "--replot", str(src),
+                        "--replot-date", "2026-12-01", "--out-dir", str(out), "--name", "fig"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert (out / "fig.png").stat().st_size > 0 and "4 rows of 1 model(s)" in r.stdout
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_ttft.py"), "--replot", str(src),
+                        "--replot-date", "2027", "--out-dir", str(out)], capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "no ttft rows" in r.stderr

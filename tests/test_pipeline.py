@@ -215,7 +215,7 @@ def test_flashprefill_fill_keeps_the_counts_and_at_the_thresholds_counts_is_the_
 
     c = cfg("flashprefill", params={"alpha": 0.3, "fix_rows": True})
     ca = CompactAttention(c)
-    assert c.spec.fixes_rows_at_first_layer(c.params) and not cfg("flashprefill").spec.fixes_rows_at_first_layer(
+    assert c.spec.fixes_rows_at_observing_layer(c.params) and not cfg("flashprefill").spec.fixes_rows_at_observing_layer(
         cfg("flashprefill").params)
     ranges = [(0, 100), (2, 100), (3, 7), (0, 1)]
     b0 = make_batch(6, sparse_ranges=ranges)

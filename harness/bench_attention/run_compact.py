@@ -44,7 +44,7 @@ def run_compact(run: ConfigRun, m: Method, row: dict):
     b, t, args = run.b, run.timer, run.args
     ca = CompactAttention(selector_config(args, m, run.window))
     fill, rows = None, ca.row_pages(b)
-    if ca.config.spec.fixes_rows_at_first_layer(ca.config.params):
+    if ca.config.spec.fixes_rows_at_observing_layer(ca.config.params):
         first = ca.select_pages(b, 0, run.summaries)     # the observing layer: its threshold fixes the rows
         fill, rows = (first.counts, int(first.counts.max())), first.counts.tolist()
     ex, bf_ms = run.executor(m.backend, rows if m.backend == "fa3" else None)

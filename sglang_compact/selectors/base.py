@@ -78,7 +78,7 @@ class Selector:
     def fill(self, batch: ChunkBatch, layer: int, summaries: LayerSummaries | None, counts: torch.Tensor,
              max_count: int) -> Selection:
         """Exactly `counts[r]` pages in each row r = g * NW + w (device int [H_kv * NW]; `max_count` the largest):
-        the later layers of a pass whose observing layer fixed the row lengths (`spec.fixes_rows_at_first_layer`)."""
+        the later layers of a pass whose observing layer fixed the row lengths (`spec.fixes_rows_at_observing_layer`)."""
         raise NotImplementedError(f"selector {self.name!r} does not fill rows to given counts")
 
 

@@ -36,7 +36,7 @@ class FlashPrefillParams(SelectorParams):
 
 
 @register_selector("flashprefill", params=FlashPrefillParams, uses_summaries=True, expected_density=0.5,
-                   fixes_rows_at_first_layer=lambda p: p.fix_rows)
+                   fixes_rows_at_observing_layer=lambda p: p.fix_rows)
 class FlashPrefillSelector(Selector):
     """Threshold on mean-key page scores (FlashPrefill); the default."""
 

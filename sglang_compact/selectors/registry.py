@@ -108,7 +108,7 @@ class SelectorSpec:
 
     fixes_row_lengths: the pages each row reads depend only on the lengths (known on the host before any
         search), so a kernel whose plan needs exact lengths (FlashInfer fa3) is planned once per forward pass.
-    fixes_rows_at_first_layer: (from the parameters) the pass's first selecting layer (its observing layer,
+    fixes_rows_at_observing_layer: (from the parameters) the pass's first selecting layer (its observing layer,
         `srt/extend.py`) selects as usual and every later layer fills each row to that layer's page count
         (`Selector.fill`), so the row lengths are known on the host after it and one fa3 plan serves the rest
         of the pass.
@@ -124,7 +124,7 @@ class SelectorSpec:
     uses_summaries: bool
     expected_density: Callable[[SelectorParams], float]
     help: str
-    fixes_rows_at_first_layer: Callable[[SelectorParams], bool] = lambda _p: False
+    fixes_rows_at_observing_layer: Callable[[SelectorParams], bool] = lambda _p: False
 
     def make(self, config) -> "Selector":
         return self.cls(config)
@@ -137,7 +137,7 @@ _entry_points_loaded = False
 def register_selector(name: str, *, params: type[SelectorParams] = NoParams, fixes_row_lengths: bool = False,
                       uses_summaries: bool = False,
                       expected_density: float | Callable[[SelectorParams], float] = 1.0,
-                      fixes_rows_at_first_layer: Callable[[SelectorParams], bool] | None = None
+                      fixes_rows_at_observing_layer: Callable[[SelectorParams], bool] | None = None
                       ) -> Callable[[type], type]:
     """Class decorator registering a `Selector` subclass under `name` (re-registering a name replaces it)."""
     if not name or not name.replace("_", "").replace("-", "").isalnum():
@@ -149,7 +149,7 @@ def register_selector(name: str, *, params: type[SelectorParams] = NoParams, fix
     def deco(cls: type) -> type:
         doc = (cls.__doc__ or "").strip().splitlines()
         spec = SelectorSpec(name, cls, params, fixes_row_lengths, uses_summaries, density, doc[0] if doc else "",
-                            fixes_rows_at_first_layer or (lambda _p: False))
+                            fixes_rows_at_observing_layer or (lambda _p: False))
         cls.name = name
         cls.spec = spec
         _REGISTRY[name] = spec

@@ -92,7 +92,7 @@ class ExtendPlanner:
     @property
     def _fixes_rows(self) -> bool:
         cfg = self.rt.config
-        return cfg.spec.fixes_rows_at_first_layer(cfg.params)
+        return cfg.spec.fixes_rows_at_observing_layer(cfg.params)
 
     @staticmethod
     def _sparse_tokens(qb: QBlocks) -> int:

@@ -35,7 +35,7 @@ def resolve_prefill_kernel(config: CompactConfig, device: torch.device, dtype: t
             raise UnsupportedModelError("--compact-prefill-kernel fa3 needs a Hopper (sm90) GPU: use auto or fa2")
         if dtype == torch.float32:
             raise UnsupportedModelError("--compact-prefill-kernel fa3 needs a bf16 or fp16 KV cache: use auto or fa2")
-        if not (config.spec.fixes_row_lengths or config.spec.fixes_rows_at_first_layer(config.params)):
+        if not (config.spec.fixes_row_lengths or config.spec.fixes_rows_at_observing_layer(config.params)):
             logger.warning("sglang_compact: --compact-prefill-kernel fa3 with selector %r plans every layer from "
                            "host copies of the row lengths (a device->host sync per layer); auto plans once",
                            config.selector)
@@ -95,7 +95,7 @@ class CompactRuntime:
         else:
             kernel, executor, device_name = "torch", TorchExecutor(), None
         shape = ModelShape(h_q, view.num_kv_heads, view.head_dim, view.page_size)
-        fixed = config.spec.fixes_row_lengths or config.spec.fixes_rows_at_first_layer(config.params)
+        fixed = config.spec.fixes_row_lengths or config.spec.fixes_rows_at_observing_layer(config.params)
         rows_kernel = "fa3" if kernel == "fa3" or (kernel == "fa3-auto" and fixed) else "fa2"
         gate = Gate.for_server(config, shape, view.chunked_prefill_size, device_name,
                                "fa3" if kernel.startswith("fa3") else "fa2", view.context_len, rows_kernel)
