@@ -17,7 +17,9 @@ unless --no-prefill-graphs); each gets a warm-up request at the longest context 
 the sparse one included, has compiled). For each (context, batch): `--reps` rounds, interleaved across
 the servers (rep 1 of every server, then rep 2, ...; each round timed alone, the others idle), of `batch`
 concurrent requests with fresh random prompts (no radix-cache hits) and `max_new_tokens=1`; the TTFT of a
-round is its slowest request; the row takes the median. With
+round is its slowest request; the row takes the median, and against `flashinfer` also the per-round ratio
+(round i of the one over round i of the other: its median and an order-statistic interval, `round_ratios`;
+marked when the two servers were not in one group of interleaved rounds). With
 `--profile-steps` one more round runs under SGLang's profiler and `scripts/trace_summary.py` summarises
 the trace (kernel launches and host time per layer). A compact
 server runs with `--enable-metrics`: the density of its round (mean over its sparse forward passes of
@@ -25,7 +27,9 @@ the pages read over the context pages; 1.0 when nothing went sparse), the fracti
 that went sparse and the fraction the gate turned dense from their observed density are read from
 `/metrics` around the round.
 
-Methods: `flashinfer`, `fa3` (stock SGLang backends); `compact` (its defaults), `compact-dense`
+Methods: `flashinfer`, `fa3` (stock SGLang backends); `flashinfer-again` (a second stock `flashinfer` server: its
+ratio to the first is the spread between two identical servers, the band a do-no-harm ratio is read against);
+`compact` (its defaults), `compact-dense`
 (`--compact-selector dense`), `compact-budget-D` (`budget` at density D), any of them with
 `-fa2` (`--compact-prefill-kernel fa2`) or `-at0` (`--compact-min-context 0`: sparse from the start).
 
@@ -42,6 +46,7 @@ import datetime
 import json
 import random
 import statistics
+from math import comb
 import sys
 import time
 from pathlib import Path
@@ -60,6 +65,8 @@ COMPACT = "sglang_compact.launch_server"
 
 def method_args(method: str) -> tuple[str, list[str]]:
     """(module, backend flags) of a method name (see the module docstring)."""
+    if method == "flashinfer-again":   # a second stock server: the spread between two identical servers
+        return method_args("flashinfer")
     if method == "flashinfer":
         return STOCK, ["--attention-backend", "flashinfer"]
     if method == "fa3":
@@ -98,6 +105,24 @@ def compact_counters(srv) -> dict:
             elif 'path="dense_density"' in line:
                 out["dense_density"] += value
     return out
+
+
+def round_ratios(base_ms, ms, level: float = 0.95) -> dict | None:
+    """The per-round ratio base / method of two servers timed in the same rounds (round i of each, one after the
+    other): its median and a distribution-free interval for that median (order statistics; with few rounds the
+    widest, [min, max], whose coverage 1 - 2 / 2^n is reported). None without rounds to pair."""
+    n = min(len(base_ms), len(ms))
+    if n == 0:
+        return None
+    ratios = sorted(b / m for b, m in zip(base_ms[:n], ms[:n]))
+
+    def coverage(k: int) -> float:   # of [x_(k), x_(n-k+1)], 1-based: 1 - 2 P(Binomial(n, 1/2) <= k - 1)
+        return 1.0 - 2.0 * sum(comb(n, j) for j in range(k)) / 2.0 ** n
+    k = 1
+    while k + 1 <= (n + 1) // 2 and coverage(k + 1) >= level:
+        k += 1
+    return {"median": statistics.median(ratios), "lo": ratios[k - 1], "hi": ratios[n - k],
+            "coverage": round(coverage(k), 4), "rounds": n}
 
 
 def main() -> int:
@@ -195,7 +220,7 @@ def main() -> int:
             list(ex.map(lambda p: generate(srv, p, 1), prompts))
         return time.time() - t0
 
-    def measure(servers: dict, chunk: int) -> None:
+    def measure(servers: dict, chunk: int, group: int) -> None:
         """Every server of one chunk size, interleaved: for each (context, batch), rep after rep, each server
         times one round alone (the others idle), so drift over the run reaches every method alike."""
         for srv in servers.values():
@@ -230,7 +255,7 @@ def main() -> int:
                            "ms_all": [round(1000 * t, 1) for t in times[method]],
                            "speedup_vs_flashinfer": None, "prefill_graphs": not a.no_prefill_graphs,
                            "page_size": a.page_size, "server_start_s": round(srv.startup_seconds or 0, 1),
-                           "gpu": gpu, "date": date, "cmd": cmd}
+                           "gpu": gpu, "date": date, "cmd": cmd, "group": group}
                     rows.append(row)
                     print(f"{method} chunk {chunk} ctx {ctx} batch {bsz}: {row['ms']:.1f} ms (all {row['ms_all']}) "
                           f"density {row['density']:.3f} sparse q-blocks {row['sparse_qblocks']:.2f} dense by density "
@@ -292,6 +317,7 @@ def main() -> int:
                       f"--tp {a.tp} {' '.join(flags)}")
             print(f"  then per server: contexts {contexts} x batches {batches}, {a.reps} reps each")
         return 0
+    group_id = 0   # servers timed in one group had their rounds interleaved
     for chunk in chunks:
         if a.deadline_s and time.time() - t_start > a.deadline_s:
             print(f"deadline reached; skipping chunk {chunk}", flush=True)
@@ -299,6 +325,7 @@ def main() -> int:
         n = 1 if a.sequential else (a.side_by_side or len(methods))
         groups = [methods[i:i + n] for i in range(0, len(methods), n)]
         for group in groups:
+            group_id += 1
             if a.deadline_s and time.time() - t_start > a.deadline_s:
                 print(f"deadline reached; skipping chunk {chunk} {group}", flush=True)
                 continue
@@ -312,7 +339,7 @@ def main() -> int:
                     print(f"{m} chunk {chunk}: server failed: {e}", flush=True)
             try:
                 if servers and not (a.deadline_s and time.time() - t_start > a.deadline_s):
-                    measure(servers, chunk)
+                    measure(servers, chunk, group_id)
             finally:
                 for srv in servers.values():
                     srv.stop()
@@ -321,16 +348,24 @@ def main() -> int:
             x[k] == r[k] for k in ("model", "context", "chunk", "batch", "tp"))]
         if base:
             r["speedup_vs_flashinfer"] = base[0]["ms"] / r["ms"]
+            # rounds interleaved with flashinfer's only when the two servers ran in one group
+            r["round_ratio_vs_flashinfer"] = round_ratios(base[0]["ms_all"], r["ms_all"])
+            r["interleaved_with_flashinfer"] = base[0]["group"] == r["group"]
     path = out / "speed.json"
     old = json.loads(path.read_text()) if path.exists() else []
     path.write_text(json.dumps(old + rows, indent=1))
     lines = [f"# Time to first token: {name} ({gpu}, {date})", "", f"Command: `{cmd}`", "",
              "| context | chunk | batch | method | density | sparse q-blocks | dense by density | TTFT ms (median) | "
-             "vs flashinfer |", "|---|---|---|---|---|---|---|---|---|"]
+             "vs flashinfer | per-round ratio: median [interval] |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         sp = f"{r['speedup_vs_flashinfer']:.2f}" if r["speedup_vs_flashinfer"] else ""
+        rr = r.get("round_ratio_vs_flashinfer")
+        paired = "" if not rr or r["method"] == "flashinfer" else (
+            f"{rr['median']:.2f} [{rr['lo']:.2f}, {rr['hi']:.2f}] ({rr['coverage']:.0%}"
+            f"{'' if r['interleaved_with_flashinfer'] else ', not interleaved'})")
         lines.append(f"| {r['context']} | {r['chunk']} | {r['batch']} | {r['method']} | {r['density']:.2f} | "
-                     f"{r['sparse_qblocks']:.2f} | {r.get('dense_density_qblocks', 0.0):.2f} | {r['ms']:.1f} | {sp} |")
+                     f"{r['sparse_qblocks']:.2f} | {r.get('dense_density_qblocks', 0.0):.2f} | {r['ms']:.1f} | {sp} | "
+                     f"{paired} |")
     (out / f"{a.name}.md").write_text("\n".join(lines) + "\n")
     if profiles:
         (out / f"profile_{a.name}.json").write_text(json.dumps(profiles, indent=1))

@@ -9,7 +9,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from bench_ttft import COMPACT, STOCK, method_args  # noqa: E402
+from bench_ttft import COMPACT, STOCK, method_args, round_ratios  # noqa: E402
 
 
 def test_method_names():
@@ -21,6 +21,24 @@ def test_method_names():
     assert method_args("compact-dense")[1][-2:] == ["--compact-selector", "dense"]
     with pytest.raises(ValueError):
         method_args("nope")
+    assert method_args("flashinfer-again") == method_args("flashinfer")   # the A/A control: the same server again
+
+
+def test_round_ratios_pair_the_rounds_and_bound_their_median():
+    """Round i against round i: the median ratio, and the order-statistic interval of the median whose
+    coverage is at least 95% when there are rounds enough (n >= 6), else [min, max] with its coverage."""
+    r = round_ratios([20.9, 21.7, 20.7, 20.8, 20.9], [22.2, 21.4, 19.4, 22.7, 20.3])
+    assert r["rounds"] == 5 and r["coverage"] == pytest.approx(1 - 2 / 32)
+    assert r["lo"] == pytest.approx(20.8 / 22.7) and r["hi"] == pytest.approx(20.7 / 19.4)
+    assert r["median"] == pytest.approx(21.7 / 21.4)
+    base = [100.0 + i for i in range(20)]
+    r = round_ratios(base, [b / 1.25 for b in base])     # a constant speed-up: a point interval
+    assert r["median"] == r["lo"] == pytest.approx(1.25) and r["hi"] == pytest.approx(1.25)
+    assert r["coverage"] >= 0.95
+    ratios = sorted(b / m for b, m in zip(base, [100.0 + (7 * i) % 20 for i in range(20)]))
+    r = round_ratios(base, [100.0 + (7 * i) % 20 for i in range(20)])
+    assert ratios[0] < r["lo"] <= r["median"] <= r["hi"] < ratios[-1]   # 20 rounds: an inner interval
+    assert round_ratios([], []) is None and round_ratios([1.0, 2.0], [1.0])["rounds"] == 1
 
 
 def test_dry_run_prints_the_plan_and_the_kv_per_rank():
