@@ -30,6 +30,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from harness.eval.client import parse_density_counters  # noqa: E402
 from harness.server import SGLangServer  # noqa: E402
 
 DENSITY = "sglang:compact_density"
@@ -46,15 +47,6 @@ def layer_densities(metrics_text: str) -> dict[int, float]:
         if layer:
             per.setdefault(int(layer.group(1)), []).append(float(m.group(2)))
     return {k: sum(v) / len(v) for k, v in sorted(per.items())}
-
-
-def sparse_passes(metrics_text: str) -> float:
-    """Forward passes that went sparse so far (the density histogram's count, summed over its series)."""
-    total = 0.0
-    for line in metrics_text.splitlines():
-        if line.startswith(DENSITY + "_forward_count"):
-            total += float(line.rsplit(None, 1)[1])
-    return total
 
 
 def make_prompts(a) -> list[tuple[str, list[int]]]:
@@ -148,10 +140,10 @@ def main(argv=None) -> int:
     rows = []
     with srv:
         for label, ids in prompts:
-            before = sparse_passes(srv.metrics())
+            before = parse_density_counters(srv.metrics()) or (0.0, 0.0)
             srv.generate(input_ids=ids, max_new_tokens=1)
             text = srv.metrics()
-            went_sparse = sparse_passes(text) > before
+            went_sparse = (parse_density_counters(text) or (0.0, 0.0))[1] > before[1]   # sparse passes counted
             per = layer_densities(text) if went_sparse else {}
             rows.append({"prompt": label, "tokens": len(ids), "per_layer": {str(k): v for k, v in per.items()}})
             print(f"{label}: {len(ids)} tokens, " + (f"layers {min(per)}-{max(per)}: "

@@ -16,17 +16,15 @@ METRICS = """# HELP sglang:compact_density Pages the sparse rows read
 sglang:compact_density{layer="0",model_name="m",tp_rank="0"} 0.9
 sglang:compact_density{layer="0",model_name="m",tp_rank="1"} 0.7
 sglang:compact_density{layer="1",model_name="m",tp_rank="0"} 0.25
-sglang:compact_density_forward_count{kind="after_group",model_name="m"} 3.0
-sglang:compact_density_forward_count{kind="selected",model_name="m"} 2.0
-sglang:compact_density_forward_sum{kind="after_group",model_name="m"} 1.5
+sglang:compact_density_forward_count{model_name="m"} 3.0
+sglang:compact_density_forward_sum{model_name="m"} 1.5
 sglang:compact_densityX{layer="5"} 1.0
 """
 
 
-def test_metrics_are_read_per_layer_and_passes_counted():
+def test_metrics_are_read_per_layer():
     assert LD.layer_densities(METRICS) == pytest.approx({0: 0.8, 1: 0.25})   # ranks averaged; other series ignored
-    assert LD.sparse_passes(METRICS) == 5.0
-    assert LD.layer_densities("") == {} and LD.sparse_passes("") == 0.0
+    assert LD.layer_densities("") == {}
 
 
 @pytest.mark.server

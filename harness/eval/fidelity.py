@@ -51,6 +51,7 @@ from sglang_compact.executors import ForwardShape, TorchExecutor
 from sglang_compact.executors.torch_executor import causal_context_attention, masked_context_attention
 from sglang_compact.gate import NEVER, Gate, GateDecision
 from sglang_compact.selectors.base import page_scores, threshold_rows
+from sglang_compact.selectors.registry import selector_spec
 from sglang_compact.summaries import LayerSummaries
 from harness.quoka import quoka_allowed, quoka_token_mask
 
@@ -199,7 +200,8 @@ def parse_method(text: str) -> Method:
     params = _parse_params(parts[2] if len(parts) > 2 else "")
     m = Method(kind, parts[1], tuple(sorted(params.items())))
     try:   # the selector's own validation, before any server or model starts
-        m.config(16, 2, 4, 0)
+        _ = m.dense_tail
+        selector_spec(m.selector).params.validated(m.selector_params, f"{m.selector} parameters")
     except ValueError as e:
         raise ValueError(f"bad method {text!r}: {e} (after the selector come its parameters and dense_tail only; "
                          f"server flags such as --compact-dense-above are given to the server)") from None
