@@ -101,7 +101,7 @@ def test_recall_and_error_against_a_direct_computation(tiny):
     recalls, errs = [], []
     for s, e in [(64, 128), (128, 192), (192, 256)]:
         batch = F.chunk_batch(lq.q[s:e], lq.k, lq.v, s, PAGE, lq.scale, m.gate(cfg, CHUNK), T)
-        o, allowed, d = F.run_method(m, batch, 1, cfg, F.CompactAttention(cfg))
+        o, allowed, d, _ = F.run_method(m, batch, 1, cfg, F.CompactAttention(cfg))
         k = lq.k[:e].transpose(0, 1).repeat_interleave(G, 0)                    # [H_q, E, D]
         v = lq.v[:e].transpose(0, 1).repeat_interleave(G, 0)
         logits = lq.q[s:e].transpose(0, 1) @ k.transpose(1, 2) * lq.scale     # [H_q, C, E]
@@ -170,6 +170,61 @@ def test_hf_chunked_generation(tiny):
         assert len(g.output_ids) == 6 and 0 < g.density < 1 and len(g.densities) == 2 * 3, m
     # the default dense tail covers the whole prompt: nothing sparse, SDPA throughout
     assert H.generate(model, ids, "compact:budget:density=0.3", **kw).density is None
+
+
+def test_rows_fixed_at_the_observing_layer_are_replayed_as_served():
+    """`flashprefill` with `fix_rows` runs as the server runs it (`layer_role`): in each chunk layer 0 reads every
+    page (density 1, no error), layer 1 selects as without `fix_rows`, and every later layer keeps layer 1's page
+    count per row (the same density, its own pages); in the replay, for a subset of layers, and in the HF runner."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from harness.eval import hf_runner as H
+    F.register_capture()
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
+                      attn_implementation=F.CAPTURE_IMPL, initializer_range=0.2)   # peaked enough to select
+    model = LlamaForCausalLM(cfg).eval()
+    ids = torch.randint(0, 128, (T,), generator=torch.Generator().manual_seed(1)).tolist()
+    layers = F.capture_qkv(model, ids)
+    fixed, free = "compact:flashprefill:alpha=0.8,dense_tail=0,fix_rows=true", "compact:flashprefill:alpha=0.8,dense_tail=0"
+    mf, mfree = F.parse_method(fixed), F.parse_method(free)
+    kw = dict(chunk=CHUNK, page_size=PAGE, min_context=CHUNK, sink_blocks=1, recent_blocks=1)
+    r = F.simulate(layers, [mf, mfree], **kw)
+    pf, pfree = r.per_layer[mf.label], r.per_layer[mfree.label]
+    assert [F.layer_role(mf, mf.config(PAGE, 1, 1, CHUNK), i) for i in range(4)] == ["dense", "observe", "fill", "fill"]
+    assert F.layer_role(mfree, mfree.config(PAGE, 1, 1, CHUNK), 0) == "select"
+    assert pf["density"][0] == 1.0 and pf["rel_err"][0] == 0.0 and pf["recall"][0] == pytest.approx(1.0)
+    assert pfree["density"][0] < 1.0
+    assert pf["density"][1] == pytest.approx(pfree["density"][1], abs=1e-12)
+    assert pf["rel_err"][1] == pytest.approx(pfree["rel_err"][1], abs=1e-12)
+    assert pf["density"][2] == pytest.approx(pf["density"][1], abs=1e-12)
+    assert pf["density"][3] == pytest.approx(pf["density"][1], abs=1e-12)
+    assert any(abs(pfree["density"][i] - pfree["density"][1]) > 1e-6 for i in (2, 3))   # free layers differ
+    # one chunk directly: the fill keeps each row's count, not the rows' pages; without the counts it refuses
+    m_cfg = mf.config(PAGE, 1, 1, CHUNK)
+    engine = F.CompactAttention(m_cfg)
+    gate = mf.gate(m_cfg, CHUNK)
+    b1 = F.chunk_batch(layers[1].q[128:192], layers[1].k, layers[1].v, 128, PAGE, layers[1].scale, gate, T)
+    b2 = F.chunk_batch(layers[2].q[128:192], layers[2].k, layers[2].v, 128, PAGE, layers[2].scale, gate, T)
+    obs = F.run_method(mf, b1, 1, m_cfg, engine, role="observe")
+    counts, most = obs.fixed
+    assert int(counts.max()) == most and counts.dtype == torch.int32
+    filled = engine.select_pages(b2, 2, fill=obs.fixed)
+    assert torch.equal(filled.counts.to(torch.int32), counts)
+    assert F.run_method(mf, b2, 2, m_cfg, engine, role="fill", fill=obs.fixed).density == pytest.approx(obs.density)
+    with pytest.raises(ValueError, match="run the observing layer of this chunk first"):
+        F.run_method(mf, b2, 2, m_cfg, engine, role="fill")
+    # a subset of layers: the observing layer runs for its counts and is not reported
+    sub = F.simulate(layers, [mf], layer_ids=[3], **kw).per_layer[mf.label]
+    assert len(sub["density"]) == 1 and sub["density"][0] == pytest.approx(pf["density"][3], abs=1e-12)
+    assert sub["rel_err"][0] == pytest.approx(pf["rel_err"][3], abs=1e-12)
+    # the HF runner: per sparse chunk, densities 1 (layer 0), then layer 1's three times
+    g = H.generate(model, ids, mf, max_new_tokens=2, **kw)
+    d = g.densities
+    assert len(d) == 4 * 3
+    for c in range(3):
+        first, obs_d, *rest = d[4 * c:4 * c + 4]
+        assert first == 1.0 and all(x == pytest.approx(obs_d, abs=1e-12) for x in rest) and obs_d < 1.0
 
 
 def test_dense_tail_in_the_replay_and_the_hf_runner(tiny):

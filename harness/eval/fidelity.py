@@ -31,6 +31,12 @@
        blocksparse: per-(head, q-block) cells over context cells; quoka: kept
        prefix tokens over prefix tokens).
 
+A compact selector that fixes its rows at the pass's observing layer
+(`flashprefill` with `fix_rows`) is replayed as the server runs it
+(`layer_role`): in each chunk, layer 0 reads every page (density 1.0, no
+error), layer 1 selects and fixes each row's page count, every later layer
+keeps that many pages per row.
+
 Every layer sees the dense model's activations (errors do not compound
 across layers): this isolates each method's attention-level error.
 """
@@ -40,7 +46,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, NamedTuple, Sequence
 
 import torch
 
@@ -331,46 +337,72 @@ def sparse_qblock_cells(batch: ChunkBatch) -> tuple[torch.Tensor, int]:
     return sparse, sum(a + 1 for a, s in zip(qb.page, flags) if s)
 
 
+#: The served pass's layers for a selector that fixes its rows at the observing layer (`srt/extend.py`): the pass's
+#: first layer reads every page, its second (this one) selects and fixes each row's page count, and every later
+#: layer keeps exactly that many pages per row (`Selector.fill`).
+OBSERVING_LAYER = 1
+
+
+def layer_role(method: Method, cfg: CompactConfig | None, layer: int) -> str:
+    """How the server runs `layer` of a sparse pass for this method: "select" (every layer selects), or for a
+    compact selector that fixes its rows at the observing layer "dense" (before it), "observe" or "fill" (after)."""
+    if method.kind != "compact" or cfg is None or not cfg.spec.fixes_rows_at_observing_layer(cfg.params):
+        return "select"
+    return "dense" if layer < OBSERVING_LAYER else "observe" if layer == OBSERVING_LAYER else "fill"
+
+
+class MethodRun(NamedTuple):
+    output: torch.Tensor | None    # [C, H_q, D]
+    allowed: torch.Tensor | None   # bool, broadcastable to [H_q, C, E] (causal)
+    density: float
+    fixed: tuple[torch.Tensor, int] | None = None   # at the observing layer: (pages per row, the most), for `fill`
+
+
 def run_method(method: Method, batch: ChunkBatch, layer: int, cfg: CompactConfig, compact: CompactAttention | None,
-               summaries: LayerSummaries | None = None, outputs: bool = True, with_allowed: bool = True
-               ) -> tuple[torch.Tensor | None, torch.Tensor | None, float]:
-    """(output [C, H_q, D], allowed keys bool broadcastable to [H_q, C, E] (causal), density) for a one-request
-    batch; output and allowed are None without `outputs` (the density alone), allowed without `with_allowed`.
-    A chunk without a sparse window runs the dense path (density 1.0), as the server does."""
+               summaries: LayerSummaries | None = None, outputs: bool = True, with_allowed: bool = True, *,
+               role: str = "select", fill: tuple[torch.Tensor, int] | None = None) -> MethodRun:
+    """(output, allowed keys, density, rows fixed) for a one-request batch; output and allowed are None without
+    `outputs` (the density alone), allowed without `with_allowed`. A chunk without a sparse window runs the dense
+    path (density 1.0), as the server does. `role` (`layer_role`): "dense" reads every page; "observe" also returns
+    the rows' page counts (`fixed`); "fill" keeps `fill`'s counts (what "observe" returned for this chunk)."""
     L, C = batch.prefix_lens_cpu[0], batch.chunk_lens_cpu[0]
     E = L + C
-    if method.kind == "dense" or not batch.qblocks.any_sparse:
+    if method.kind == "dense" or not batch.qblocks.any_sparse or role == "dense":
         if not outputs:
-            return None, None, 1.0
+            return MethodRun(None, None, 1.0)
         allowed = torch.ones(1, 1, E, dtype=torch.bool, device=batch.q.device) if with_allowed else None
-        return causal_context_attention(batch).to(batch.q.dtype), allowed, 1.0
+        return MethodRun(causal_context_attention(batch).to(batch.q.dtype), allowed, 1.0)
     if method.kind == "compact":
-        sel = compact.select_pages(batch, layer, summaries, with_stats=True)
+        if role == "fill" and fill is None:
+            raise ValueError(f"{method.label}: layer {layer} fills its rows to the observing layer's counts; "
+                             "run the observing layer of this chunk first")
+        sel = compact.select_pages(batch, layer, summaries, with_stats=True, fill=fill if role == "fill" else None)
         d = float(sel.density)
+        fixed = (sel.counts.to(torch.int32), int(sel.counts.max())) if role == "observe" else None
         if not outputs:
-            return None, None, d
+            return MethodRun(None, None, d, fixed)
         ex = TorchExecutor()
         ex.plan_forward(ForwardShape.of(batch, compact.row_pages(batch)), batch.page_table)
         o = ex.run(batch, sel.indices)
-        return o, table_allowed(batch, sel.table) if with_allowed else None, d
+        return MethodRun(o, table_allowed(batch, sel.table) if with_allowed else None, d, fixed)
     if method.kind == "blocksparse":
         masks = head_masks(batch, layer, cfg, compact, summaries)       # [H_q, NQB, NKV]
         sparse, cells = sparse_qblock_cells(batch)
         d = float(masks[:, sparse].sum()) / float(max(1, cells * batch.num_q_heads))
         if not outputs:
-            return None, None, d
+            return MethodRun(None, None, d)
         allowed = table_allowed(batch, masks, per="qblock")             # [H_q, C, E]
         o = masked_context_attention(batch, lambda b, L_, C_: allowed).to(batch.q.dtype)
-        return o, allowed if with_allowed else None, d
+        return MethodRun(o, allowed if with_allowed else None, d)
     if method.kind == "quoka":
         p = dict(method.params)
         tm = quoka_token_mask(batch, p["query_ratio"], p["kv_budget"])   # [1, H_kv, L]
         d = float(tm[0, :, :L].float().mean()) if L else 1.0
         if not outputs:
-            return None, None, d
+            return MethodRun(None, None, d)
         fn = quoka_allowed(batch, tm)
         o = masked_context_attention(batch, fn).to(batch.q.dtype)
-        return o, fn(0, L, C) if with_allowed else None, d
+        return MethodRun(o, fn(0, L, C) if with_allowed else None, d)
     raise ValueError(f"unknown method kind {method.kind!r}")
 
 
@@ -446,8 +478,14 @@ def simulate(layers: Sequence[LayerQKV], methods: Iterable[Method | str], *, chu
     res = FidelityResult([m.label for m in methods], T, chunk, page_size, min_context, len(spans))
     for m in methods:
         res.per_layer[m.label] = {"density": []} if density_only else {"rel_err": [], "recall": [], "density": []}
-    ids = range(len(layers)) if layer_ids is None else layer_ids
+    wanted = list(range(len(layers))) if layer_ids is None else sorted(set(layer_ids))
+    roles = {m.label: [layer_role(m, engines[m.label].cfg, li) for li in range(len(layers))] for m in methods}
+    ids = wanted
+    if any(roles[m.label][li] == "fill" for m in methods for li in wanted) and OBSERVING_LAYER not in wanted:
+        ids = sorted({*wanted, OBSERVING_LAYER})   # run for its counts (the later layers keep them), not reported
+    fixed: dict[tuple[str, int], tuple[torch.Tensor, int]] = {}   # (method, chunk start) -> the observing layer's
     for li in ids:
+        report = li in wanted
         lq = layers[li]
         k_pool = head_major_pool(lq.k, page_size)
         v_pool = head_major_pool(lq.v, page_size)
@@ -462,13 +500,20 @@ def simulate(layers: Sequence[LayerQKV], methods: Iterable[Method | str], *, chu
             any_batch = next(iter(batches.values()))
             summaries = LayerSummaries.from_pool(k_pool, any_batch.page_table, any_batch.context_lens_cpu())
             probs = o_ref = None
-            if not density_only:
+            if not density_only and report:
                 probs = context_probs(any_batch)                                     # [H_q, C, E]
                 o_ref = causal_context_attention(any_batch)
             for m in methods:
                 eng = engines[m.label]
                 batch = batches[(eng.gate.sparse_range(T), eng.gate.window)]
-                o, allowed, d = run_method(m, batch, li, eng.cfg, eng.compact, summaries, outputs=not density_only)
+                role = roles[m.label][li]
+                run = run_method(m, batch, li, eng.cfg, eng.compact, summaries,
+                                 outputs=not density_only and report, role=role, fill=fixed.get((m.label, s)))
+                if run.fixed is not None:
+                    fixed[(m.label, s)] = run.fixed
+                if not report:
+                    continue
+                o, allowed, d = run.output, run.allowed, run.density
                 a = acc[m.label]
                 a["density"].append(d)
                 if density_only:
@@ -480,7 +525,8 @@ def simulate(layers: Sequence[LayerQKV], methods: Iterable[Method | str], *, chu
                 a["recall"].append(float((probs * allowed).sum(-1).mean()))
         for m in methods:
             for k, v in acc[m.label].items():
-                res.per_layer[m.label][k].append(sum(v) / len(v) if v else float("nan"))
+                if report:
+                    res.per_layer[m.label][k].append(sum(v) / len(v) if v else float("nan"))
         if progress:
             progress(f"layer {li}")
     res.seconds = time.monotonic() - t0

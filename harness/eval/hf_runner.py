@@ -9,7 +9,9 @@ blocksparse / quoka / dense) run on a head-major pool holding the chunk's
 context (the cached prefix and the chunk's own K/V), exactly as in
 `fidelity.simulate`, but with the sparse outputs propagating through the
 model (errors compound, as in serving). Decode steps and chunks without a
-sparse window use SDPA (dense), as the server runs them. The density of
+sparse window use SDPA (dense), as the server runs them; a selector that
+fixes its rows at the observing layer runs each chunk's layers as the server
+does (`fidelity.layer_role`). The density of
 every sparse (layer, chunk) is recorded (pages the sparse windows read over
 their context pages; the server's `compact_density_forward` likewise counts
 sparse forward passes only).
@@ -31,7 +33,7 @@ import torch
 from sglang_compact.compact import CompactAttention
 from sglang_compact.config import CompactConfig
 from sglang_compact.gate import Gate
-from harness.eval.fidelity import Method, chunk_batch, parse_method, run_method
+from harness.eval.fidelity import Method, chunk_batch, layer_role, parse_method, run_method
 
 CHUNKED_IMPL = "sglang_compact_chunked"
 
@@ -45,6 +47,7 @@ class _State:
     prompt_len: int
     engine: CompactAttention | None = None
     densities: list[float] = field(default_factory=list)
+    fixed: dict[int, tuple[torch.Tensor, int]] = field(default_factory=dict)   # chunk start -> observing layer's
 
 
 _STATE: _State | None = None
@@ -65,9 +68,13 @@ def _chunked_attention(module, query, key, value, attention_mask, scaling=None, 
     v = value[0].transpose(0, 1)
     scale = float(scaling if scaling is not None else q.shape[-1] ** -0.5)
     batch = chunk_batch(q, k, v, L, st.page_size, scale, st.gate, st.prompt_len)
-    o, _, d = run_method(st.method, batch, int(module.layer_idx), st.cfg, st.engine, with_allowed=False)
-    st.densities.append(d)
-    return o.to(query.dtype)[None], None
+    layer = int(module.layer_idx)
+    run = run_method(st.method, batch, layer, st.cfg, st.engine, with_allowed=False,
+                     role=layer_role(st.method, st.cfg, layer), fill=st.fixed.get(L))
+    if run.fixed is not None:
+        st.fixed[L] = run.fixed
+    st.densities.append(run.density)
+    return run.output.to(query.dtype)[None], None
 
 
 def register() -> str:
