@@ -80,7 +80,7 @@ def test_dense_reads_match_torch_native(model_dir, selector_args):
     ('{}', []),
     ('{"fix_rows": true}', []),
     ('{}', ["--compact-dense-above", DENSE_ABOVE_MIXED]),
-], ids=["per-layer rows", "rows fixed at layer 0", "some windows dense by their density"])
+], ids=["per-layer rows", "rows fixed at the observing layer", "some windows dense by their density"])
 def test_flashprefill_answer_does_not_depend_on_the_cache(model_dir, params, extra):
     ids = prompts(n=6, seed=1)[-1][:1200 + 5]
     args = COMPACT + ["--compact-selector", "flashprefill", "--compact-min-context", "256",
@@ -105,6 +105,9 @@ def test_flashprefill_answer_does_not_depend_on_the_cache(model_dir, params, ext
     assert f"fix_rows={'fix_rows' in params}" in log
     assert metric_value(metrics, "sglang:compact_qblocks_total", 'path="sparse"') > 0
     assert metric_value(metrics, "sglang:compact_qblocks_total", 'path="dense_tail"') > 0
+    if "fix_rows" in params:   # the pass's first layer reads every page and its density says so
+        assert metric_value(metrics, "sglang:compact_density", 'layer="0"') == 1.0
+        assert metric_value(metrics, "sglang:compact_density", 'layer="1"') < 1.0
     if extra:   # windows near the gate (forced pages a large share of their context) turn dense, later ones not
         assert metric_value(metrics, "sglang:compact_qblocks_total", 'path="dense_density"') > 0
 

@@ -77,6 +77,29 @@ def test_flush_summarises_the_previous_forward_pass():
     assert t.flush() is None
 
 
+def test_layers_that_read_every_page_count_in_the_pass_density():
+    """The layers of a sparse pass before its observing layer read every page: density 1.0 in the pass's mean
+    (what the pass read, not only what its selecting layers read); a pass that no layer selected in (its windows
+    all turned dense at the observing layer) stays a dense pass."""
+    metrics = RecordingMetrics()
+    t = CompactTelemetry(num_layers=4, metrics=metrics)
+    t.begin_forward([4096], [1024], {"sparse": 32}, 1024)
+    t.record_read_all(0)
+    for layer, x in ((1, 0.3), (2, 0.2), (3, 0.3)):
+        t.record(layer, d(x))
+    s = t.flush()
+    assert s["per_layer"] == {0: 1.0, 1: pytest.approx(0.3), 2: pytest.approx(0.2), 3: pytest.approx(0.3)}
+    assert list(s["per_layer"]) == [0, 1, 2, 3] and s["density"] == pytest.approx(0.45)
+    t.begin_forward([4096], [1024], {"sparse": 32}, 1024)
+    t.record_read_all(0)
+    t.update_paths({"dense_density": 32}, 0)
+    s = t.flush()
+    assert s["density"] is None and s["per_layer"] == {} and t.totals["forward_passes"] == 1
+    t.begin_forward([4096], [1024], {"sparse": 32}, 1024)   # the next pass starts clean
+    t.record(1, d(0.5))
+    assert t.flush()["per_layer"] == {1: pytest.approx(0.5)}
+
+
 def test_recall_is_summarised_with_the_pass_that_measured_it():
     metrics = RecordingMetrics()
     t = CompactTelemetry(num_layers=2, metrics=metrics)

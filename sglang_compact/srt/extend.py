@@ -186,6 +186,7 @@ class ExtendPlanner:
         sel = None
         if md.sparse and md.dense_layers:
             md.dense_layers -= 1
+            rt.telemetry.record_read_all(li)
         elif md.sparse:
             sel = self._select(md, q3, k_buf, v_buf, layer, li, summaries)
             if md.observe and self._observe(md, sel[1], md.executor_dense):

@@ -14,8 +14,10 @@ registry.
 
 Series (labels: SGLang's `model_name`, `tp_rank`, plus those below):
   sglang:compact_density{layer}             gauge, latest sparse forward pass: pages the sparse rows read
-                                            over their context pages
-  sglang:compact_density_forward            histogram, per sparse forward pass (mean over layers)
+                                            over their context pages (1.0 for a layer that read every page
+                                            before the pass's observing layer)
+  sglang:compact_density_forward            histogram, per sparse forward pass (mean over its layers, those
+                                            that read every page included)
   sglang:compact_coverage                   gauge, min over layers of the latest sparse pass: fraction of the
                                             selector's pages a density cap kept (1.0 without a cap)
   sglang:compact_forward_passes_total       counter, forward passes with a sparse q-block
@@ -126,6 +128,7 @@ class CompactTelemetry:
         self._density: dict[int, torch.Tensor] = {}
         self._coverage: dict[int, torch.Tensor] = {}
         self._recall: torch.Tensor | None = None
+        self._read_all: set[int] = set()
         self._pass: dict | None = None
         self.totals = {"forward_passes": 0, "sparse_qblocks": 0, "sparse_tokens": 0}
         self.last_summary: dict | None = None
@@ -155,12 +158,17 @@ class CompactTelemetry:
         if coverage is not None:
             self._coverage[layer] = coverage
 
+    def record_read_all(self, layer: int) -> None:
+        """A layer of a sparse pass that read every page of its windows (those before the pass's observing
+        layer): density 1.0, counted in the pass's density when some later layer selected."""
+        self._read_all.add(layer)
+
     def flush(self) -> dict | None:
         """Summarise the previous forward pass: one device->host copy of all its scalars, and none at all
         when neither metrics nor debug logging would use them."""
         p, self._pass = self._pass, None
-        density, coverage, recall = self._density, self._coverage, self._recall
-        self._density, self._coverage, self._recall = {}, {}, None
+        density, coverage, recall, read_all = self._density, self._coverage, self._recall, self._read_all
+        self._density, self._coverage, self._recall, self._read_all = {}, {}, None, set()
         if p is None or not self.wants_stats():
             return None
         layers = sorted(density)
@@ -172,6 +180,8 @@ class CompactTelemetry:
         if recall is not None:
             values = values[:-2]
         per_layer = dict(zip(layers, values[:len(layers)]))
+        if per_layer:   # a pass whose windows all turned dense at its observing layer stays a dense pass
+            per_layer = dict(sorted({**per_layer, **dict.fromkeys(read_all, 1.0)}.items()))
         summary = dict(p, per_layer=per_layer, density=sum(per_layer.values()) / len(per_layer) if per_layer else None,
                        coverage=min(values[len(layers):], default=1.0), recall=recall_mean, recall_min=recall_min)
         if summary["density"] is not None:
