@@ -21,6 +21,12 @@ from sglang_compact.selectors.base import (Selection, forced_count, row_budget, 
 from sglang_compact.summaries import LayerSummaries
 from sglang_compact.union import row_density, union_table
 
+#: The layer of a sparse forward pass (counted from the pass's first) that reads how many pages each row
+#: selected, when the pass needs that (the gate's observed-density fallback, a selector that fixes its rows
+#: there); the layers before it read every page: a first layer's attention is broad (SmolLM2: density 0.94 at
+#: layer 0, 0.33-0.82 after), so its density would turn every window dense.
+OBSERVING_LAYER = 1
+
 
 @dataclass
 class PageSelection:

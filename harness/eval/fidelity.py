@@ -51,7 +51,7 @@ from typing import Any, Callable, Iterable, NamedTuple, Sequence
 import torch
 
 from sglang_compact.batch import ChunkBatch, cdiv
-from sglang_compact.compact import CompactAttention
+from sglang_compact.compact import OBSERVING_LAYER, CompactAttention
 from sglang_compact.config import CompactConfig
 from sglang_compact.executors import ForwardShape, TorchExecutor
 from sglang_compact.executors.torch_executor import causal_context_attention, masked_context_attention
@@ -337,15 +337,11 @@ def sparse_qblock_cells(batch: ChunkBatch) -> tuple[torch.Tensor, int]:
     return sparse, sum(a + 1 for a, s in zip(qb.page, flags) if s)
 
 
-#: The served pass's layers for a selector that fixes its rows at the observing layer (`srt/extend.py`): the pass's
-#: first layer reads every page, its second (this one) selects and fixes each row's page count, and every later
-#: layer keeps exactly that many pages per row (`Selector.fill`).
-OBSERVING_LAYER = 1
-
-
 def layer_role(method: Method, cfg: CompactConfig | None, layer: int) -> str:
-    """How the server runs `layer` of a sparse pass for this method: "select" (every layer selects), or for a
-    compact selector that fixes its rows at the observing layer "dense" (before it), "observe" or "fill" (after)."""
+    """How the server runs `layer` of a sparse pass for this method (`srt/extend.py`): "select" (every layer
+    selects), or, for a compact selector that fixes its rows at the pass's `OBSERVING_LAYER`, "dense" before it
+    (every page), "observe" there (selects, and its rows' page counts are kept) and "fill" after it (exactly that
+    many pages per row, `Selector.fill`)."""
     if method.kind != "compact" or cfg is None or not cfg.spec.fixes_rows_at_observing_layer(cfg.params):
         return "select"
     return "dense" if layer < OBSERVING_LAYER else "observe" if layer == OBSERVING_LAYER else "fill"

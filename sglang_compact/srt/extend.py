@@ -27,7 +27,7 @@ import logging
 import torch
 
 from sglang_compact.batch import ChunkBatch, QBlocks
-from sglang_compact.compact import mass_recall
+from sglang_compact.compact import OBSERVING_LAYER, mass_recall
 from sglang_compact.executors import ForwardShape
 from sglang_compact.summaries import store_kv
 from sglang_compact.srt import compat
@@ -78,9 +78,7 @@ class ExtendPlanner:
                 qb = template.qblocks
                 row_pages = rt.compact.row_pages(template) if qb.any_sparse else None
         observe = qb.any_sparse and row_pages is None and (gate.observes_density or self._fixes_rows)
-        # the pass's first layer then reads every page and the second observes: a first layer's attention is broad
-        # (SmolLM2: density 0.94 at layer 0, 0.33-0.82 after), so its density would turn every window dense
-        dense_layers = 1 if observe and rt.view.num_layers > 1 else 0
+        dense_layers = OBSERVING_LAYER if observe and rt.view.num_layers > OBSERVING_LAYER else 0
         shape_of = dataclasses.replace(template, qblocks=qb.with_dense(range(qb.windows)), derived={}) \
             if dense_layers else template
         rt.executor.plan_forward(ForwardShape.of(shape_of, None if dense_layers else row_pages), page_table)
