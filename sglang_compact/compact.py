@@ -21,12 +21,6 @@ from sglang_compact.selectors.base import (Selection, forced_count, row_budget, 
 from sglang_compact.summaries import LayerSummaries
 from sglang_compact.union import row_density, union_table
 
-#: The layer of a sparse forward pass (counted from the pass's first) that reads how many pages each row
-#: selected, when the pass needs that (the gate's observed-density fallback, a selector that fixes its rows
-#: there); the layers before it read every page: a first layer's attention is broad (SmolLM2: density 0.94 at
-#: layer 0, 0.33-0.82 after), so its density would turn every window dense.
-OBSERVING_LAYER = 1
-
 
 @dataclass
 class PageSelection:
@@ -106,6 +100,15 @@ class CompactAttention:
         indices = build_indices(table, counts, batch, buffers)
         density = row_density(counts, batch) if with_stats else None
         return PageSelection(table, counts, indices, density, coverage)
+
+    def read_all(self, batch: ChunkBatch, buffers: IndexBuffers | None = None,
+                 with_stats: bool = False) -> PageSelection:
+        """Every context page of every row (a layer of `config.dense_layers` in a sparse pass): the same paged
+        rows as a selection, so the pass's plan serves it; table and counts made once per batch."""
+        table, counts = batch.memo(("read_all",), lambda: (batch.full_table().contiguous(), torch.tensor(
+            batch.qblocks.full_counts() * batch.num_kv_heads, dtype=torch.int32).to(batch.q.device, non_blocking=True)))
+        indices = build_indices(table, counts, batch, buffers)
+        return PageSelection(table, counts, indices, row_density(counts, batch) if with_stats else None)
 
     def _cap(self, sel: Selection, table: torch.Tensor, batch: ChunkBatch):
         """At most `row_budget(last + 1, density_cap)` pages per sparse row, best scores first (group max over

@@ -18,6 +18,12 @@ from sglang_compact.selectors.registry import (SelectorParams, SelectorSpec, imp
 
 PREFILL_KERNELS = ("auto", "fa2", "fa3")
 
+#: The layer of a sparse forward pass (counted from the pass's first) that reads how many pages each row
+#: selected, when the pass needs that (the gate's observed-density fallback, a selector that fixes its rows
+#: there); the layers before it read every page: a first layer's attention is broad (SmolLM2: density 0.94 at
+#: layer 0, 0.33-0.82 after), so its density would turn every window dense.
+OBSERVING_LAYER = 1
+
 
 def _fail(field_name: str, allowed: str, value: Any) -> None:
     raise ValueError(f"CompactConfig.{field_name}: {allowed}, got {value!r}")
@@ -57,6 +63,10 @@ class CompactConfig:
             rows would cost more than the dense pass they replace. In [0, 1]
             (1: never); None (the default): the cost model's break-even density
             on this GPU (`sglang_compact.gate`), never without one.
+        dense_layers: model layers (ids, each after OBSERVING_LAYER) that read every page of their context in
+            a sparse forward pass, their rows through the same paged kernel; the others select. For models
+            whose selection loses its attention mass in a few layers (Qwen2.5-Coder-0.5B: its last ones, see
+            docs/results/accuracy.md). Empty by default.
         density_cap: optional upper bound on each row's density, in (0, 1].
         prefill_kernel: FlashInfer backend on CUDA: "fa2", "fa3" (Hopper; planned
             once per forward pass only when the row lengths are known on the host:
@@ -79,6 +89,7 @@ class CompactConfig:
     min_context: int | None = None
     dense_tail: int = 1024
     dense_above: float | None = None
+    dense_layers: tuple[int, ...] = ()
     density_cap: float | None = None
     prefill_kernel: str = "auto"
     recall_every: int = 0
@@ -110,6 +121,14 @@ class CompactConfig:
         if da is not None and (isinstance(da, bool) or not isinstance(da, (int, float)) or not (0.0 <= da <= 1.0)
                                or math.isnan(da)):
             _fail("dense_above", "must be in [0, 1] or None (the cost model decides)", da)
+        dl = self.dense_layers
+        if isinstance(dl, (str, bytes)) or not all(isinstance(x, int) and not isinstance(x, bool) for x in dl):
+            _fail("dense_layers", "must be a tuple of layer ids (integers)", dl)
+        if any(x <= OBSERVING_LAYER for x in dl):
+            _fail("dense_layers", f"must be layers after {OBSERVING_LAYER} (a sparse pass's first layers are its own: "
+                                  "the first reads every page when the pass observes its density, the next "
+                                  "observes)", dl)
+        object.__setattr__(self, "dense_layers", tuple(sorted(set(dl))))
         if self.prefill_kernel not in PREFILL_KERNELS:
             _fail("prefill_kernel", f"must be one of {', '.join(PREFILL_KERNELS)}", self.prefill_kernel)
         cap = self.density_cap
@@ -155,4 +174,5 @@ class CompactConfig:
                 f"recent {self.recent_blocks}, union_window {window}, min_context {gate}, dense_tail "
                 f"{self.dense_tail}, dense_above {'auto' if self.dense_above is None else self.dense_above}, "
                 f"density_cap {self.density_cap}, prefill_kernel {self.prefill_kernel}"
+                + (f", dense layers {','.join(map(str, self.dense_layers))}" if self.dense_layers else "")
                 + (f", recall every {self.recall_every} sparse passes" if self.recall_every else ""))

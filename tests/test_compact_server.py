@@ -112,6 +112,28 @@ def test_flashprefill_answer_does_not_depend_on_the_cache(model_dir, params, ext
         assert metric_value(metrics, "sglang:compact_qblocks_total", 'path="dense_density"') > 0
 
 
+def test_dense_layers_read_every_page_in_a_sparse_pass(model_dir):
+    """--compact-dense-layers 2-29: in a sparse pass those layers' rows read every page (density 1.0 on /metrics),
+    the first two select their budget (no observed-density fallback here, so layer 0 selects too)."""
+    ids = prompts(n=3, seed=4)[-1]
+    args = COMPACT + ["--compact-selector", "budget", "--compact-density", "0.3", "--compact-min-context", "256",
+                      "--compact-dense-tail", "64", "--compact-dense-above", "1", "--compact-dense-layers", "2-29",
+                      "--enable-metrics"]
+    with server(model_dir, args) as srv:
+        out, _ = greedy(srv, ids)
+        log = srv.log_path.read_text()
+        metrics = srv.get_text("/metrics")
+    assert len(out) == NEW
+    assert "dense layers " + ",".join(map(str, range(2, 30))) in log
+    assert metric_value(metrics, "sglang:compact_qblocks_total", 'path="sparse"') > 0
+    density = {i: metric_value(metrics, "sglang:compact_density", f'layer="{i}"') for i in range(30)}
+    assert all(density[i] == 1.0 for i in range(2, 30)), density
+    assert density[0] < 0.8 and density[1] < 0.8, density
+    mean = metric_value(metrics, "sglang:compact_density_forward_sum") / \
+        metric_value(metrics, "sglang:compact_density_forward_count")
+    assert 28 / 30 < mean < 1.0
+
+
 def test_a_selector_from_a_test_module_is_served(model_dir):
     ids = prompts(n=1, seed=2)[0]
     args = COMPACT + ["--compact-selector-module", "toy_selector", "--compact-selector", "toy_every_other",
@@ -149,6 +171,8 @@ def metric_value(text: str, name: str, label: str = "") -> float:
     (["--compact-sink-blocks", "-2"], "--compact-sink-blocks: must be an integer >= 0"),
     (["--compact-recall-every", "-3"], "--compact-recall-every: must be an integer >= 0"),
     (["--compact-prefill-kernel", "fa4"], "invalid choice: 'fa4'"),
+    (["--compact-dense-layers", "20-x"], "must be layer ids or ranges such as '21,22,23' or '20-23'"),
+    (["--compact-dense-layers", "0,20"], "--compact-dense-layers: must be layers after 1"),
     (["--compact-selector-module", "no_such_module_xyz"], "selector module 'no_such_module_xyz' could not be imported"),
     (["--attention-backend", "torch_native", "--compact-alpha", "0.1"], "--compact-* flags need --attention-backend compact"),
 ])

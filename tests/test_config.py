@@ -43,6 +43,9 @@ def test_defaults_valid():
     ({"selector": "seer"}, "selector_params['gate_path']", "safetensors"),
     ({"selector": "seer", "selector_params": {"gate_path": 3}}, "selector_params['gate_path']", "string"),
     ({"selector": "dense", "density_cap": 0.5}, "density_cap", "budget"),
+    ({"dense_layers": (1, 20)}, "dense_layers", "must be layers after 1"),
+    ({"dense_layers": (20, 2.0)}, "dense_layers", "tuple of layer ids"),
+    ({"dense_layers": "21"}, "dense_layers", "tuple of layer ids"),
     ({"selector_modules": "not.a.tuple"}, "selector_modules", "tuple of module names"),
     ({"selector_modules": ("no_such_module_xyz",)}, "selector", "could not be imported"),
 ])
@@ -80,3 +83,24 @@ def test_expected_densities_come_from_the_selectors():
     assert selector_spec("dense").expected_density(CompactConfig(selector="dense").params) == 1.0
     assert selector_spec("budget").fixes_row_lengths and not selector_spec("flashprefill").fixes_row_lengths
     assert selector_spec("flashprefill").uses_summaries and not selector_spec("oracle").uses_summaries
+
+
+def test_dense_layers_are_checked_against_the_model_and_the_rows_plan():
+    """At server start (`srt.runtime.check_dense_layers`): ids of the model's layers, none of a pipeline stage's
+    first layers up to its observing one, and not with rows planned once from their lengths (fa3)."""
+    from types import SimpleNamespace
+
+    from sglang_compact.srt.model_checks import UnsupportedModelError
+    from sglang_compact.srt.runtime import check_dense_layers
+
+    cfg = CompactConfig(dense_layers=(21, 22, 23))
+    check_dense_layers(cfg, SimpleNamespace(model_layers=24, start_layer=0), planned_once=False)
+    check_dense_layers(CompactConfig(), SimpleNamespace(model_layers=24, start_layer=0), planned_once=True)
+    with pytest.raises(UnsupportedModelError, match=r"the model has 24 layers \(0-23\)"):
+        check_dense_layers(CompactConfig(dense_layers=(23, 24)), SimpleNamespace(model_layers=24, start_layer=0),
+                           planned_once=False)
+    with pytest.raises(UnsupportedModelError, match="layers 12-13 are this pipeline stage's first layers"):
+        check_dense_layers(CompactConfig(dense_layers=(13, 22)), SimpleNamespace(model_layers=24, start_layer=12),
+                           planned_once=False)
+    with pytest.raises(UnsupportedModelError, match="add --compact-prefill-kernel fa2"):
+        check_dense_layers(cfg, SimpleNamespace(model_layers=24, start_layer=0), planned_once=True)

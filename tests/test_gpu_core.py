@@ -250,6 +250,29 @@ def test_flashprefill_rows_fixed_at_the_first_layer_run_on_fa3_planned_once(hq, 
         assert err <= 1e-2 and torch.equal(out, fresh)
 
 
+@pytest.mark.parametrize("kernel", ["fa2", "fa3"])
+def test_dense_layers_read_all_under_the_passs_plan(kernel):
+    """`dense_layers`: in a sparse pass (a mixed one: the third request dense), a layer that reads every page runs
+    the rows of the full table under the plan the selecting layers share (fa2 planned once; fa3 planned per
+    layer): its output is dense attention, the selecting layers' theirs."""
+    prefix, chunk = [30000 + 7, 12345, 4100], [1024, 517, 64]
+    ranges = [(0, 1 << 40), (0, 1 << 40), (0, 0)]
+    layers = layers_of_one_pass(prefix, chunk, 16, 4, 128, [60, 61, 62], sparse_ranges=ranges)
+    ca = CompactAttention(CompactConfig(block_size=P, selector_params={"alpha": 0.1}, dense_layers=(2,)))
+    ex = executor(layers[0], kernel)
+    ex.plan_forward(ForwardShape.of(layers[0]), layers[0].page_table)
+    assert ex.mode == ("rows" if kernel == "fa2" else "rows-per-layer")
+    for i, b in enumerate(layers):
+        sel = ca.read_all(b, buffers=ex.index_buffers, with_stats=True) if i == 2 else \
+            ca.select_pages(b, i, batch_summaries(b), buffers=ex.index_buffers, with_stats=True)
+        out = ex.run(b, sel.indices)
+        err = rel_err(out, reference_attention(b, sel.table))
+        print(f"dense layers {kernel} layer {i}: density={float(sel.density):.3f} rel_err={err:.2e}")
+        assert err <= 1e-2 and (float(sel.density) == 1.0) == (i == 2)
+        if i == 2:
+            assert torch.equal(sel.table, b.full_table())
+
+
 def test_fa3_auto_runs_varying_rows_on_fa2_planned_once():
     b = gpu_batch([9000, 20000], [512, 256], 16, 4, 128, seed=11)
     ex = executor(b, "fa3-auto")

@@ -158,6 +158,26 @@ def test_full_density_rows_equal_dense():
     torch.testing.assert_close(out.double(), dense_float64(b), rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_a_layer_that_reads_all_runs_the_rows_of_the_full_table(seed):
+    """`CompactAttention.read_all` (a layer of `dense_layers` in a sparse pass): every row reads its whole context
+    through the rows' kernel, windows computed apart included; the output is dense attention, the density 1.0,
+    and its indices fit the pass's rows bound (the plan every layer of the pass shares)."""
+    ranges = [(0, 100), (3, 100), (3, 7), (0, 1)]   # sparse and dense windows in one pass
+    b = make_batch(seed, chunk=(140, 230, 117, 64), sparse_ranges=ranges)
+    ca = CompactAttention(cfg("flashprefill", dense_layers=(3,)))
+    sel = ca.read_all(b, with_stats=True)
+    assert torch.equal(sel.table, b.full_table()) and float(sel.density) == 1.0
+    assert sel.counts.tolist() == b.qblocks.full_counts() * b.num_kv_heads
+    assert ca.read_all(b).table is sel.table                      # made once per batch
+    ex = TorchExecutor()
+    ex.plan_forward(ForwardShape.of(b), b.page_table)
+    torch.testing.assert_close(ex.run(b, sel.indices).double(), dense_float64(b), rtol=1e-4, atol=1e-5)
+    bound = ForwardShape.of(b).rows_upper_bound()
+    counts = (sel.indices.kv_indptr[1:] - sel.indices.kv_indptr[:-1]).tolist()
+    assert counts == [hi - lo for lo, hi in zip(bound, bound[1:])]
+
+
 @pytest.mark.parametrize("selector", ["flashprefill", "budget"])
 def test_dense_windows_of_a_sparse_pass_are_computed_apart(selector):
     """In a pass with sparse windows, a dense window's row names only its own pages (the rows' kernel does

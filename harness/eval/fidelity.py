@@ -51,8 +51,8 @@ from typing import Any, Callable, Iterable, NamedTuple, Sequence
 import torch
 
 from sglang_compact.batch import ChunkBatch, cdiv
-from sglang_compact.compact import OBSERVING_LAYER, CompactAttention
-from sglang_compact.config import CompactConfig
+from sglang_compact.compact import CompactAttention
+from sglang_compact.config import OBSERVING_LAYER, CompactConfig
 from sglang_compact.executors import ForwardShape, TorchExecutor
 from sglang_compact.executors.torch_executor import causal_context_attention, masked_context_attention
 from sglang_compact.gate import NEVER, Gate, GateDecision

@@ -39,6 +39,21 @@ _min_context = _auto_or(int, 0, None, "a number of tokens >= 0")
 _dense_above = _auto_or(float, 0.0, 1.0, "a density in [0, 1]")
 
 
+def _layer_ids(value: str) -> tuple[int, ...]:
+    """An argparse type: layer ids and ranges, '21,22,23' or '20-23'."""
+    out: list[int] = []
+    for item in filter(None, (x.strip() for x in value.split(","))):
+        lo, dash, hi = item.partition("-")
+        try:
+            ids = range(int(lo), int(hi) + 1) if dash else [int(lo)]
+        except ValueError:
+            ids = []
+        if not ids:
+            raise argparse.ArgumentTypeError(f"must be layer ids or ranges such as '21,22,23' or '20-23', got {value!r}")
+        out.extend(ids)
+    return tuple(out)
+
+
 def add_compact_args(parser: argparse.ArgumentParser) -> None:
     d = CompactConfig()
     params = "; ".join(f"{name}: " + (", ".join(f"{p} (default {default}: {help_})" for p, default, help_ in ps) or "-")
@@ -73,6 +88,10 @@ def add_compact_args(parser: argparse.ArgumentParser) -> None:
                    help="a sparse window whose selection at the forward pass's second layer reads more than DENSITY "
                         "of its context pages reads every page instead (1: never); auto (default): the cost "
                         "model's break-even density for this GPU, where the sparse rows stop paying")
+    g.add_argument("--compact-dense-layers", type=_layer_ids, default=(), metavar="IDS",
+                   help="model layers that read every page in a sparse forward pass, e.g. '21-23' (default: none): "
+                        "where the selection loses attention mass (measure with scripts/eval_longctx.py fidelity); "
+                        "the gate does not price them")
     g.add_argument("--compact-density-cap", type=float, default=None,
                    help="upper bound on each row's density, in (0, 1]")
     g.add_argument("--compact-prefill-kernel", default=d.prefill_kernel, choices=PREFILL_KERNELS,
@@ -125,6 +144,7 @@ def build_config(ns: argparse.Namespace, page_size: int) -> CompactConfig:
                          recent_blocks=ns.compact_recent_blocks, union_window=ns.compact_union_window,
                          min_context=ns.compact_min_context,
                          dense_tail=ns.compact_dense_tail, dense_above=ns.compact_dense_above,
+                         dense_layers=ns.compact_dense_layers,
                          density_cap=ns.compact_density_cap,
                          prefill_kernel=ns.compact_prefill_kernel, recall_every=ns.compact_recall_every)
 

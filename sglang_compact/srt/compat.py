@@ -333,6 +333,7 @@ class RunnerView:
     kv_dtype: torch.dtype
     num_layers: int
     start_layer: int
+    model_layers: int   # the model's, over every pipeline stage
     max_requests: int
     context_len: int
     chunked_prefill_size: int | None
@@ -350,7 +351,9 @@ def runner_view(model_runner) -> RunnerView:
         device=torch.device(model_runner.device), page_size=model_runner.page_size,
         num_pages=pool.k_buffer[0].shape[0] if getattr(pool, "use_hnd", False) else 0,
         num_kv_heads=pool.head_num, head_dim=pool.head_dim, kv_dtype=pool.dtype, num_layers=pool.layer_num,
-        start_layer=getattr(pool, "start_layer", 0) or 0, max_requests=model_runner.req_to_token_pool.size,
+        start_layer=getattr(pool, "start_layer", 0) or 0,
+        model_layers=int(getattr(model_runner.model_config, "num_hidden_layers", 0) or pool.layer_num),
+        max_requests=model_runner.req_to_token_pool.size,
         context_len=model_runner.model_config.context_len, chunked_prefill_size=getattr(sa, "chunked_prefill_size", None),
         head_major=bool(getattr(pool, "use_hnd", False)), kv_quantized=bool(getattr(pool, "is_quantized_kv_cache", False)),
         is_mla=bool(getattr(model_runner, "use_mla_backend", False)), enable_metrics=bool(getattr(sa, "enable_metrics", False)),

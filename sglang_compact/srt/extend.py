@@ -4,7 +4,8 @@
 windows read a selection (the gate), builds the batch's page table, q-blocks and windows, and plans
 the executor; `ExtendPlanner.forward` (each layer's `forward_extend`) only launches device work: the KV
 store (with page summaries), then, in a dense pass, one planned attention run into SGLang's output
-buffer; in a sparse pass, the selection kernels and the rows' attention.
+buffer; in a sparse pass, the selection kernels and the rows' attention (a layer of the config's
+`dense_layers`: the rows of every page, `CompactAttention.read_all`, under the same plan).
 
 The one exception: a sparse pass whose row lengths depend on the scores reads, once, at its observing
 layer, how many pages each row selected (one device->host copy per pass), for
@@ -27,7 +28,8 @@ import logging
 import torch
 
 from sglang_compact.batch import ChunkBatch, QBlocks
-from sglang_compact.compact import OBSERVING_LAYER, mass_recall
+from sglang_compact.compact import mass_recall
+from sglang_compact.config import OBSERVING_LAYER
 from sglang_compact.executors import ForwardShape
 from sglang_compact.summaries import store_kv
 from sglang_compact.srt import compat
@@ -45,7 +47,7 @@ class ExtendMetadata:
     recall: tuple[int, int] | None = None   # (layer, kv head) that measures its selection's mass recall
     observe: bool = False  # the next sparse layer reads the rows' page counts (density fallback, fixed rows)
     fill: tuple[torch.Tensor, int] | None = None   # rows fixed at the observing layer: (pages per row, the most)
-    dense_layers: int = 0  # layers that read every page before the observing one
+    first_read_all: int = 0  # layers that read every page before the observing one
     executor_dense: bool = False   # the executor is planned for the dense first layer (until the observing one)
 
 
@@ -78,14 +80,14 @@ class ExtendPlanner:
                 qb = template.qblocks
                 row_pages = rt.compact.row_pages(template) if qb.any_sparse else None
         observe = qb.any_sparse and row_pages is None and (gate.observes_density or self._fixes_rows)
-        dense_layers = OBSERVING_LAYER if observe and rt.view.num_layers > OBSERVING_LAYER else 0
+        first_read_all = OBSERVING_LAYER if observe and rt.view.num_layers > OBSERVING_LAYER else 0
         shape_of = dataclasses.replace(template, qblocks=qb.with_dense(range(qb.windows)), derived={}) \
-            if dense_layers else template
-        rt.executor.plan_forward(ForwardShape.of(shape_of, None if dense_layers else row_pages), page_table)
+            if first_read_all else template
+        rt.executor.plan_forward(ForwardShape.of(shape_of, None if first_read_all else row_pages), page_table)
         if rt.telemetry.wants_stats():
             rt.telemetry.begin_forward(prefix, chunk, self._paths(qb, gated), self._sparse_tokens(qb))
         return ExtendMetadata(template, qb.any_sparse, self._recall_target() if qb.any_sparse else None, observe,
-                              dense_layers=dense_layers, executor_dense=bool(dense_layers))
+                              first_read_all=first_read_all, executor_dense=bool(first_read_all))
 
     @property
     def _fixes_rows(self) -> bool:
@@ -182,9 +184,13 @@ class ExtendPlanner:
         if q3.dtype != k_buf.dtype:
             q3 = q3.to(k_buf.dtype)
         sel = None
-        if md.sparse and md.dense_layers:
-            md.dense_layers -= 1
+        if md.sparse and md.first_read_all:
+            md.first_read_all -= 1
             rt.telemetry.record_read_all(li)
+        elif md.sparse and lid in rt.config.dense_layers:
+            batch = self._layer_batch(md, q3, k_buf, v_buf, layer)
+            sel = batch, rt.compact.read_all(batch, buffers=rt.executor.index_buffers,
+                                             with_stats=rt.telemetry.wants_stats())
         elif md.sparse:
             sel = self._select(md, q3, k_buf, v_buf, layer, li, summaries)
             if md.observe and self._observe(md, sel[1], md.executor_dense):
@@ -202,9 +208,13 @@ class ExtendPlanner:
             o = o.to(q.dtype)
         return o.view(-1, H_q * D)
 
+    @staticmethod
+    def _layer_batch(md: ExtendMetadata, q3, k_buf, v_buf, layer) -> ChunkBatch:
+        return dataclasses.replace(md.template, q=q3, k_pool=k_buf, v_pool=v_buf, sm_scale=compat.layer_scaling(layer))
+
     def _select(self, md: ExtendMetadata, q3, k_buf, v_buf, layer, li: int, summaries):
         """(this layer's batch, its page selection) in a sparse pass."""
         rt = self.rt
-        batch = dataclasses.replace(md.template, q=q3, k_pool=k_buf, v_pool=v_buf, sm_scale=compat.layer_scaling(layer))
+        batch = self._layer_batch(md, q3, k_buf, v_buf, layer)
         return batch, rt.compact.select_pages(batch, li, summaries, buffers=rt.executor.index_buffers,
                                               with_stats=rt.telemetry.wants_stats(), fill=md.fill)

@@ -9,7 +9,7 @@ import torch
 
 from sglang_compact.batch import cdiv
 from sglang_compact.compact import CompactAttention
-from sglang_compact.config import CompactConfig
+from sglang_compact.config import OBSERVING_LAYER, CompactConfig
 from sglang_compact.executors import TorchExecutor, make_flashinfer_executor
 from sglang_compact.gate import Gate, ModelShape
 from sglang_compact.summaries import PageSummaries
@@ -40,6 +40,26 @@ def resolve_prefill_kernel(config: CompactConfig, device: torch.device, dtype: t
                            "host copies of the row lengths (a device->host sync per layer); auto plans once",
                            config.selector)
     return want
+
+
+def check_dense_layers(config: CompactConfig, view: compat.RunnerView, planned_once: bool) -> None:
+    """`--compact-dense-layers` against the model and the rows' plan: ids of this model's layers, none of this
+    rank's first layers up to its observing one, and rows whose lengths a layer may change."""
+    dl = config.dense_layers
+    if not dl:
+        return
+    if dl[-1] >= view.model_layers:
+        raise UnsupportedModelError(f"--compact-dense-layers {','.join(map(str, dl))}: the model has "
+                                    f"{view.model_layers} layers (0-{view.model_layers - 1})")
+    own = range(view.start_layer, view.start_layer + OBSERVING_LAYER + 1)
+    if any(x in own for x in dl):
+        raise UnsupportedModelError(f"--compact-dense-layers: layers {own.start}-{own.stop - 1} are this pipeline "
+                                    "stage's first layers (the first reads every page when a pass observes its "
+                                    "density, the next observes): give later layers")
+    if planned_once:
+        raise UnsupportedModelError(f"--compact-dense-layers with selector {config.selector!r}: its rows run on fa3, "
+                                    "planned once from their lengths, which a layer reading every page would "
+                                    "change: add --compact-prefill-kernel fa2")
 
 
 @dataclass
@@ -97,6 +117,7 @@ class CompactRuntime:
         shape = ModelShape(h_q, view.num_kv_heads, view.head_dim, view.page_size)
         fixed = config.spec.fixes_row_lengths or config.spec.fixes_rows_at_observing_layer(config.params)
         rows_kernel = "fa3" if kernel == "fa3" or (kernel == "fa3-auto" and fixed) else "fa2"
+        check_dense_layers(config, view, planned_once=rows_kernel == "fa3" and fixed)
         gate = Gate.for_server(config, shape, view.chunked_prefill_size, device_name,
                                "fa3" if kernel.startswith("fa3") else "fa2", view.context_len, rows_kernel)
         summaries = None
