@@ -25,6 +25,21 @@ PREFILL_KERNELS = ("auto", "fa2", "fa3")
 OBSERVING_LAYER = 1
 
 
+def parse_layer_ids(text: str, sep: str = ",") -> tuple[int, ...]:
+    """Layer ids and inclusive ranges, '21,22,23' or '20-23' (`sep` between items); ValueError otherwise."""
+    out: list[int] = []
+    for item in filter(None, (x.strip() for x in text.split(sep))):
+        lo, dash, hi = item.partition("-")
+        try:
+            ids = range(int(lo), int(hi) + 1) if dash else [int(lo)]
+        except ValueError:
+            ids = []
+        if not ids:
+            raise ValueError(f"must be layer ids or ranges such as '21{sep}22{sep}23' or '20-23', got {text!r}")
+        out.extend(ids)
+    return tuple(out)
+
+
 def _fail(field_name: str, allowed: str, value: Any) -> None:
     raise ValueError(f"CompactConfig.{field_name}: {allowed}, got {value!r}")
 

@@ -172,20 +172,27 @@ def test_hf_chunked_generation(tiny):
     assert H.generate(model, ids, "compact:budget:density=0.3", **kw).density is None
 
 
-def test_rows_fixed_at_the_observing_layer_are_replayed_as_served():
-    """`flashprefill` with `fix_rows` runs as the server runs it (`layer_role`): in each chunk layer 0 reads every
-    page (density 1, no error), layer 1 selects as without `fix_rows`, and every later layer keeps layer 1's page
-    count per row (the same density, its own pages); in the replay, for a subset of layers, and in the HF runner."""
+@pytest.fixture(scope="module")
+def four_layers():
+    """A 4-layer tiny Llama whose attention is peaked enough to select (larger initial weights), its prompt and
+    captured layers."""
     from transformers import LlamaConfig, LlamaForCausalLM
-    from harness.eval import hf_runner as H
     F.register_capture()
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
-                      attn_implementation=F.CAPTURE_IMPL, initializer_range=0.2)   # peaked enough to select
+                      attn_implementation=F.CAPTURE_IMPL, initializer_range=0.2)
     model = LlamaForCausalLM(cfg).eval()
     ids = torch.randint(0, 128, (T,), generator=torch.Generator().manual_seed(1)).tolist()
-    layers = F.capture_qkv(model, ids)
+    return model, ids, F.capture_qkv(model, ids)
+
+
+def test_rows_fixed_at_the_observing_layer_are_replayed_as_served(four_layers):
+    """`flashprefill` with `fix_rows` runs as the server runs it (`layer_role`): in each chunk layer 0 reads every
+    page (density 1, no error), layer 1 selects as without `fix_rows`, and every later layer keeps layer 1's page
+    count per row (the same density, its own pages); in the replay, for a subset of layers, and in the HF runner."""
+    from harness.eval import hf_runner as H
+    model, ids, layers = four_layers
     fixed, free = "compact:flashprefill:alpha=0.8,dense_tail=0,fix_rows=true", "compact:flashprefill:alpha=0.8,dense_tail=0"
     mf, mfree = F.parse_method(fixed), F.parse_method(free)
     kw = dict(chunk=CHUNK, page_size=PAGE, min_context=CHUNK, sink_blocks=1, recent_blocks=1)
@@ -225,6 +232,37 @@ def test_rows_fixed_at_the_observing_layer_are_replayed_as_served():
     for c in range(3):
         first, obs_d, *rest = d[4 * c:4 * c + 4]
         assert first == 1.0 and all(x == pytest.approx(obs_d, abs=1e-12) for x in rest) and obs_d < 1.0
+
+
+def test_dense_layers_in_the_replay_the_hf_runner_and_the_server_flags(four_layers):
+    """`dense_layers=3` (the server's --compact-dense-layers): layer 3 reads every page (density 1, no error) in
+    the replay and the HF runner, the other layers select as without it; the server method gets the flag."""
+    from harness.eval import hf_runner as H
+    from harness.eval.methods import compact_server_args
+    model, ids, layers = four_layers
+    with_, without = "compact:flashprefill:alpha=0.8,dense_tail=0,dense_layers=3", "compact:flashprefill:alpha=0.8,dense_tail=0"
+    mw, mo = F.parse_method(with_), F.parse_method(without)
+    assert mw.dense_layers == (3,) and mw.selector_params == {"alpha": 0.8} and "dense_layers=3" in mw.label
+    assert F.parse_method("compact:budget:dense_layers=2+5-7").dense_layers == (2, 5, 6, 7)
+    with pytest.raises(ValueError, match="must be layers after 1"):
+        F.parse_method("compact:budget:dense_layers=1-3")
+    with pytest.raises(ValueError, match="dense_layers is a compact method's"):
+        F.parse_method("blocksparse:flashprefill:dense_layers=3")
+    args = compact_server_args(mw.selector, dict(mw.params), 64, 1, 1)
+    assert args[args.index("--compact-dense-layers") + 1] == "3"
+    assert "dense_layers" not in args[args.index("--compact-selector-params") + 1]
+    kw = dict(chunk=CHUNK, page_size=PAGE, min_context=CHUNK, sink_blocks=1, recent_blocks=1)
+    r = F.simulate(layers, [mw, mo], **kw)
+    pw, po = r.per_layer[mw.label], r.per_layer[mo.label]
+    assert pw["density"][3] == 1.0 and pw["rel_err"][3] == 0.0 and po["density"][3] < 1.0
+    for k in ("density", "rel_err", "recall"):
+        assert pw[k][:3] == po[k][:3]
+    # the last layer's output reaches no layer's K/V within the prompt: layers 0-2 select as without it
+    g = H.generate(model, ids, mw, max_new_tokens=2, **kw).densities
+    o = H.generate(model, ids, mo, max_new_tokens=2, **kw).densities
+    assert len(g) == len(o) == 4 * 3
+    for c in range(3):
+        assert g[4 * c + 3] == 1.0 and g[4 * c:4 * c + 3] == o[4 * c:4 * c + 3]
 
 
 def test_dense_tail_in_the_replay_and_the_hf_runner(tiny):

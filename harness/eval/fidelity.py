@@ -52,7 +52,7 @@ import torch
 
 from sglang_compact.batch import ChunkBatch, cdiv
 from sglang_compact.compact import CompactAttention
-from sglang_compact.config import OBSERVING_LAYER, CompactConfig
+from sglang_compact.config import OBSERVING_LAYER, CompactConfig, parse_layer_ids
 from sglang_compact.executors import ForwardShape, TorchExecutor
 from sglang_compact.executors.torch_executor import causal_context_attention, masked_context_attention
 from sglang_compact.gate import NEVER, Gate, GateDecision
@@ -148,7 +148,7 @@ class Method:
     def label(self) -> str:
         if self.kind in ("dense",):
             return "dense"
-        p = ",".join(f"{k}={v}" for k, v in self.params)
+        p = ",".join(f"{k}={'+'.join(map(str, v)) if isinstance(v, tuple) else v}" for k, v in self.params)
         if self.kind == "quoka":
             return f"quoka({p})"
         return f"{self.kind}-{self.selector}({p})"
@@ -167,15 +167,20 @@ class Method:
         return CompactConfig.dense_tail if self.kind in ("compact", "blocksparse") else 0
 
     @property
+    def dense_layers(self) -> tuple[int, ...]:
+        """Model layers that read every page in a sparse pass (`CompactConfig.dense_layers`; compact only)."""
+        return tuple(dict(self.params).get("dense_layers", ()))
+
+    @property
     def selector_params(self) -> dict[str, Any]:
-        return {k: v for k, v in self.params if k != "dense_tail"}
+        return {k: v for k, v in self.params if k not in ("dense_tail", "dense_layers")}
 
     def config(self, page_size: int, sink_blocks: int, recent_blocks: int, min_context: int) -> CompactConfig:
         sparse = self.kind in ("compact", "blocksparse")
         return CompactConfig(block_size=page_size, selector=self.selector if sparse else "dense",
                              selector_params=self.selector_params if sparse else {},
                              sink_blocks=sink_blocks, recent_blocks=recent_blocks, min_context=min_context,
-                             dense_tail=self.dense_tail)
+                             dense_tail=self.dense_tail, dense_layers=self.dense_layers if sparse else ())
 
     def gate(self, config: CompactConfig, chunk: int | None) -> Gate:
         """The windows this method runs sparse: from `config.min_context` on, outside the dense tail; none for
@@ -208,18 +213,29 @@ def parse_method(text: str) -> Method:
     try:   # the selector's own validation, before any server or model starts
         _ = m.dense_tail
         selector_spec(m.selector).params.validated(m.selector_params, f"{m.selector} parameters")
+        if m.dense_layers:
+            if kind != "compact":
+                raise ValueError("dense_layers is a compact method's (the server's --compact-dense-layers)")
+            CompactConfig(dense_layers=m.dense_layers)
     except ValueError as e:
-        raise ValueError(f"bad method {text!r}: {e} (after the selector come its parameters and dense_tail only; "
-                         f"server flags such as --compact-dense-above are given to the server)") from None
+        raise ValueError(f"bad method {text!r}: {e} (after the selector come its parameters, dense_tail and "
+                         "dense_layers only; server flags such as --compact-dense-above are given to the server)") from None
     return m
 
 
 def _parse_params(text: str) -> dict[str, Any]:
-    """'k=v,...': integers, floats and true/false."""
+    """'k=v,...': integers, floats and true/false; `dense_layers` takes layer ids and ranges joined by '+'
+    ('dense_layers=9+21-23')."""
     out: dict[str, Any] = {}
     for item in filter(None, text.split(",")):
         k, _, v = item.partition("=")
         v = v.strip()
+        if k.strip() == "dense_layers":
+            try:
+                out["dense_layers"] = parse_layer_ids(v, sep="+")
+            except ValueError as e:
+                raise ValueError(f"parameter {item!r}: {e}") from None
+            continue
         if v.lower() in ("true", "false"):
             out[k.strip()] = v.lower() == "true"
             continue
@@ -338,10 +354,13 @@ def sparse_qblock_cells(batch: ChunkBatch) -> tuple[torch.Tensor, int]:
 
 
 def layer_role(method: Method, cfg: CompactConfig | None, layer: int) -> str:
-    """How the server runs `layer` of a sparse pass for this method (`srt/extend.py`): "select" (every layer
-    selects), or, for a compact selector that fixes its rows at the pass's `OBSERVING_LAYER`, "dense" before it
+    """How the server runs `layer` of a sparse pass for this method (`srt/extend.py`): "dense" for a layer of
+    its `dense_layers`; else "select" (every layer selects), or, for a compact selector that fixes its rows at the
+    pass's `OBSERVING_LAYER`, "dense" before it
     (every page), "observe" there (selects, and its rows' page counts are kept) and "fill" after it (exactly that
     many pages per row, `Selector.fill`)."""
+    if method.kind == "compact" and cfg is not None and layer in cfg.dense_layers:
+        return "dense"
     if method.kind != "compact" or cfg is None or not cfg.spec.fixes_rows_at_observing_layer(cfg.params):
         return "select"
     return "dense" if layer < OBSERVING_LAYER else "observe" if layer == OBSERVING_LAYER else "fill"

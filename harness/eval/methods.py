@@ -39,6 +39,8 @@ def compact_server_args(selector: str, params: dict[str, Any], min_context: int,
     sel_params = m.selector_params
     if sel_params:
         extra += ["--compact-selector-params", json.dumps(sel_params)]
+    if m.dense_layers:
+        extra += ["--compact-dense-layers", ",".join(map(str, m.dense_layers))]
     return extra
 
 

@@ -14,7 +14,8 @@ greedy, `/flush_cache` before every prompt, density from the server's
                           (min context 512, sink 2, recent 4 as in the CPU rows; `--enable-metrics`);
                           k=v may include dense_tail=N (`--compact-dense-tail N`: the prompt's last N
                           tokens read every page; default the backend's), recorded in every compact
-                          row's params
+                          row's params, and dense_layers=IDS (`--compact-dense-layers`, ids and ranges
+                          joined by '+': dense_layers=21-23), recorded when given
 HF methods (`--hf-methods`, e.g. quoka, blocksparse:flashprefill:alpha=0.4) run
 in-process with HF transformers (`harness.eval.hf_runner`) on the GPU,
 in a child process of this script, alongside the servers, on the first

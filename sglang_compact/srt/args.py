@@ -12,7 +12,7 @@ import argparse
 import json
 from typing import Sequence
 
-from sglang_compact.config import PREFILL_KERNELS, CompactConfig
+from sglang_compact.config import PREFILL_KERNELS, CompactConfig, parse_layer_ids
 from sglang_compact.selectors.registry import describe_params, import_selector_modules, selector_names
 
 PROG = "sglang_compact.launch_server"
@@ -41,17 +41,10 @@ _dense_above = _auto_or(float, 0.0, 1.0, "a density in [0, 1]")
 
 def _layer_ids(value: str) -> tuple[int, ...]:
     """An argparse type: layer ids and ranges, '21,22,23' or '20-23'."""
-    out: list[int] = []
-    for item in filter(None, (x.strip() for x in value.split(","))):
-        lo, dash, hi = item.partition("-")
-        try:
-            ids = range(int(lo), int(hi) + 1) if dash else [int(lo)]
-        except ValueError:
-            ids = []
-        if not ids:
-            raise argparse.ArgumentTypeError(f"must be layer ids or ranges such as '21,22,23' or '20-23', got {value!r}")
-        out.extend(ids)
-    return tuple(out)
+    try:
+        return parse_layer_ids(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def add_compact_args(parser: argparse.ArgumentParser) -> None:
