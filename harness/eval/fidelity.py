@@ -35,7 +35,9 @@ A compact selector that fixes its rows at the pass's observing layer
 (`flashprefill` with `fix_rows`) is replayed as the server runs it
 (`layer_role`): in each chunk, layer 0 reads every page (density 1.0, no
 error), layer 1 selects and fixes each row's page count, every later layer
-keeps that many pages per row.
+keeps that many pages per row. A compact method's `dense_layers`
+(`compact:flashprefill:dense_layers=21-23`, the server's
+`--compact-dense-layers`) read every page in those layers.
 
 Every layer sees the dense model's activations (errors do not compound
 across layers): this isolates each method's attention-level error.

@@ -10,8 +10,8 @@ context (the cached prefix and the chunk's own K/V), exactly as in
 `fidelity.simulate`, but with the sparse outputs propagating through the
 model (errors compound, as in serving). Decode steps and chunks without a
 sparse window use SDPA (dense), as the server runs them; a selector that
-fixes its rows at the observing layer runs each chunk's layers as the server
-does (`fidelity.layer_role`). The density of
+fixes its rows at the observing layer, and a method's `dense_layers`, run
+each chunk's layers as the server does (`fidelity.layer_role`). The density of
 every sparse (layer, chunk) is recorded (pages the sparse windows read over
 their context pages; the server's `compact_density_forward` likewise counts
 sparse forward passes only).
