@@ -147,8 +147,21 @@ def test_offline_density_and_parse(tiny):
     # booleans parse; what the selector does not take fails at parsing, before any server or model starts
     assert dict(F.parse_method("compact:flashprefill:fix_rows=true,query_stride=2").params) == \
         {"fix_rows": True, "query_stride": 2}
-    with pytest.raises(ValueError, match="unknown parameter.*dense_above.*given to the server"):
-        F.parse_method("compact:flashprefill:dense_above=1")
+    with pytest.raises(ValueError, match="unknown parameter.*dense_layer.*given to the server"):
+        F.parse_method("compact:flashprefill:dense_layer=1")
+    # dense_above: the server's observed-density fallback, a compact server method's, never replayed offline
+    from harness.eval.methods import compact_server_args
+    m = F.parse_method("compact:flashprefill:dense_above=1")
+    assert m.dense_above == 1.0 and m.selector_params == {}
+    args = compact_server_args(m.selector, dict(m.params), 64, 1, 1)
+    assert args[args.index("--compact-dense-above") + 1] == "1.0" and "--compact-selector-params" not in args
+    m.check_replayable()   # 1: never falls back, as the replay runs it
+    with pytest.raises(ValueError, match="not modelled offline"):
+        F.parse_method("compact:flashprefill:dense_above=0.3").check_replayable()
+    with pytest.raises(ValueError, match=r"dense_above must be a density in \[0, 1\]"):
+        F.parse_method("compact:flashprefill:dense_above=2")
+    with pytest.raises(ValueError, match="dense_above is a compact method's"):
+        F.parse_method("blocksparse:flashprefill:dense_above=1")
     with pytest.raises(ValueError, match="must be a number or true/false"):
         F.parse_method("compact:flashprefill:alpha=high")
 

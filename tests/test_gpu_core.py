@@ -141,6 +141,28 @@ def test_dense_pass_matches_reference(kernel, hq, hkv, d):
 
 
 @pytest.mark.parametrize("kernel", ["fa2", "fa3"])
+def test_dense_passes_of_a_32k_prompt_on_qwen_shapes(kernel):
+    """The chunked prefill of one 32K prompt as a Qwen2.5-Coder-0.5B server runs it (14/2 heads x 64, page 32,
+    chunk 1024): one executor re-planned for every pass, each pass against the plain-torch reference. On the
+    H200 (2026-12-02) compact's dense path crashed there (illegal memory access, selector dense) and answered
+    differently from stock; this isolates the dense executor from the server."""
+    page, ex = 32, None
+    for i, prefix in enumerate([0, 1024, 8192, 16384, 24576, 30720, 31744]):
+        b = gpu_batch([prefix], [1024], 14, 2, 64, seed=100 + i, page=page, sparse_ranges=[(0, 0)])
+        if ex is None:
+            ex = make_flashinfer_executor(kernel, DEV, max_rows=64, max_indices=64 * 1100)
+        ex.plan_forward(ForwardShape.of(b), b.page_table)
+        assert ex.mode == "dense"
+        for layer in range(2):   # a pass's layers share its plan
+            q = b.q if layer == 0 else b.q.flip(0).contiguous()
+            out = ex.run_dense(q, b.k_pool, b.v_pool)
+            err = rel_err(out, reference_attention(dataclasses.replace(b, q=q), b.full_table()))
+            print(f"qwen dense {kernel} prefix {prefix} layer {layer}: rel_err={err:.2e}")
+            assert torch.isfinite(out).all() and err <= 1e-2, (prefix, layer, err)
+    torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize("kernel", ["fa2", "fa3"])
 def test_dense_pass_is_one_flashinfer_paged_pass(kernel):
     """Bit for bit what a fresh FlashInfer causal paged plan over each request's context pages gives (the pass is
     planned once per forward pass and reused by every layer: here a second layer's pool and queries)."""

@@ -79,8 +79,8 @@ def test_flush_summarises_the_previous_forward_pass():
 
 def test_layers_that_read_every_page_count_in_the_pass_density():
     """The layers of a sparse pass before its observing layer read every page: density 1.0 in the pass's mean
-    (what the pass read, not only what its selecting layers read); a pass that no layer selected in (its windows
-    all turned dense at the observing layer) stays a dense pass."""
+    (what the pass read, not only what its selecting layers read); so do the windows that turned dense by their
+    observed density, a pass whose windows all did reading 1.0."""
     metrics = RecordingMetrics()
     t = CompactTelemetry(num_layers=4, metrics=metrics)
     t.begin_forward([4096], [1024], {"sparse": 32}, 1024)
@@ -90,11 +90,22 @@ def test_layers_that_read_every_page_count_in_the_pass_density():
     s = t.flush()
     assert s["per_layer"] == {0: 1.0, 1: pytest.approx(0.3), 2: pytest.approx(0.2), 3: pytest.approx(0.3)}
     assert list(s["per_layer"]) == [0, 1, 2, 3] and s["density"] == pytest.approx(0.45)
+    t.begin_forward([4096], [1024], {"sparse": 32}, 1024, pages=(160, 0))
+    t.record_read_all(0)
+    t.update_paths({"dense_density": 32}, 0, pages=(0, 160))
+    s = t.flush()   # every window turned dense at the observing layer: the pass read every page, in every layer
+    assert s["density"] == 1.0 and s["per_layer"] == dict.fromkeys(range(4), 1.0) and t.totals["forward_passes"] == 2
+    # some windows turned dense: they weigh in by their context pages (a layer's selection covers the others)
     t.begin_forward([4096], [1024], {"sparse": 32}, 1024)
     t.record_read_all(0)
-    t.update_paths({"dense_density": 32}, 0)
+    t.update_paths({"sparse": 8, "dense_density": 24}, 256, pages=(120, 40))
+    for layer in (1, 2, 3):
+        t.record(layer, d(0.2))
     s = t.flush()
-    assert s["density"] is None and s["per_layer"] == {} and t.totals["forward_passes"] == 1
+    assert s["per_layer"] == {0: 1.0, 1: pytest.approx(0.4), 2: pytest.approx(0.4), 3: pytest.approx(0.4)}
+    assert s["density"] == pytest.approx(0.55)
+    t.begin_forward([4096], [1024], {"dense_context": 32}, 0)   # a dense pass (the gate's): no density
+    assert t.flush()["density"] is None
     t.begin_forward([4096], [1024], {"sparse": 32}, 1024)   # the next pass starts clean
     t.record(1, d(0.5))
     assert t.flush()["per_layer"] == {1: pytest.approx(0.5)}
@@ -223,7 +234,7 @@ def test_metrics_endpoint_of_a_compact_server():
 def test_windows_that_select_densely_turn_dense_for_the_pass():
     """--compact-dense-above 0: every sparse window's first-layer selection reads more than 0 of its pages, so
     each such pass runs as a dense pass: the same greedy tokens as the dense selector, its q-blocks counted
-    as dense_density, no sparse pass."""
+    as dense_density, and the passes the gate made sparse report what they read: density 1.0."""
     from convert_smollm2 import convert
 
     model = convert(MODEL_DIR, "float32", quiet=True)
@@ -246,5 +257,8 @@ def test_windows_that_select_densely_turn_dense_for_the_pass():
     assert outputs["dense_above 0"] == outputs["dense"]
     q = {p: samples.get(("sglang:compact_qblocks_total", (("path", p),)), 0) for p in PATHS}
     assert q == {"sparse": 0, "dense_context": 16, "dense_tail": 10, "dense": 0, "dense_density": 24}, q
-    assert samples.get(("sglang:compact_forward_passes_total", ()), 0) == 0
+    passes = samples[("sglang:compact_forward_passes_total", ())]
+    assert passes == 3   # the chunks after the first 256 tokens of context and before the dense tail
+    assert samples[("sglang:compact_density_forward_count", ())] == passes
+    assert samples[("sglang:compact_density_forward_sum", ())] == passes * 1.0
     assert samples[("sglang:compact_gate_dense_above", ())] == 0.0

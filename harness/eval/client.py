@@ -34,10 +34,16 @@ class Client:
         except urllib.error.URLError:
             pass
 
+    def metrics_text(self) -> str:
+        """The server's `/metrics` page (empty when it serves none)."""
+        text = self._req("/metrics")
+        return text if isinstance(text, str) else ""
+
     def density_counters(self) -> tuple[float, float] | None:
         """(sum, count) of the server's per-forward-pass density histogram (`sglang:compact_density_forward` on
-        `/metrics`, served with `--enable-metrics`: pages the sparse windows read over their context pages, one
-        observation per forward pass with a sparse window); None when the server does not expose it."""
+        `/metrics`, served with `--enable-metrics`: pages the sparse windows read over their context pages (those
+        that turned dense by their observed density reading every page), one observation per sparse forward
+        pass); None when the server does not expose it."""
         try:
             text = self._req("/metrics")
         except (urllib.error.URLError, OSError):

@@ -174,8 +174,27 @@ class Method:
         return tuple(dict(self.params).get("dense_layers", ()))
 
     @property
+    def dense_above(self) -> float | None:
+        """The server's observed-density fallback (`--compact-dense-above`: a sparse window whose selection at the
+        pass's observing layer reads more than this share of its pages reads every page; compact servers only);
+        None: the server's own (its cost model's break-even density, or never)."""
+        v = dict(self.params).get("dense_above")
+        if v is None:
+            return None
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.0 <= v <= 1.0:
+            raise ValueError(f"{self.label}: dense_above must be a density in [0, 1], got {v!r}")
+        return float(v)
+
+    @property
     def selector_params(self) -> dict[str, Any]:
-        return {k: v for k, v in self.params if k not in ("dense_tail", "dense_layers")}
+        return {k: v for k, v in self.params if k not in SERVER_PARAMS}
+
+    def check_replayable(self) -> None:
+        """The offline replay and the HF runner run every gated window sparse: they do not model the server's
+        observed-density fallback, so a method that sets one below 1 cannot be run there."""
+        if self.dense_above is not None and self.dense_above < 1.0:
+            raise ValueError(f"{self.label}: dense_above (the server's observed-density fallback) is not modelled "
+                             "offline; run it as a server method")
 
     def config(self, page_size: int, sink_blocks: int, recent_blocks: int, min_context: int) -> CompactConfig:
         sparse = self.kind in ("compact", "blocksparse")
@@ -194,6 +213,8 @@ class Method:
 
 
 DENSE = Method("dense")
+#: a compact method's parameters that are not its selector's
+SERVER_PARAMS = ("dense_tail", "dense_layers", "dense_above")
 
 
 def parse_method(text: str) -> Method:
@@ -219,9 +240,11 @@ def parse_method(text: str) -> Method:
             if kind != "compact":
                 raise ValueError("dense_layers is a compact method's (the server's --compact-dense-layers)")
             CompactConfig(dense_layers=m.dense_layers)
+        if m.dense_above is not None and kind != "compact":
+            raise ValueError("dense_above is a compact method's (the server's --compact-dense-above)")
     except ValueError as e:
-        raise ValueError(f"bad method {text!r}: {e} (after the selector come its parameters, dense_tail and "
-                         "dense_layers only; server flags such as --compact-dense-above are given to the server)") from None
+        raise ValueError(f"bad method {text!r}: {e} (after the selector come its parameters, dense_tail, "
+                         "dense_layers and dense_above only; other server flags are given to the server)") from None
     return m
 
 
@@ -464,6 +487,7 @@ def _engines(methods: Sequence[Method], page_size: int, sink_blocks: int, recent
              min_context: int, chunk: int) -> dict[str, _Engine]:
     out = {}
     for m in methods:
+        m.check_replayable()
         cfg = m.config(page_size, sink_blocks, recent_blocks, min_context)
         out[m.label] = _Engine(m, cfg, m.gate(cfg, chunk),
                                CompactAttention(cfg) if m.kind in ("compact", "blocksparse") else None)

@@ -119,6 +119,7 @@ def generate(model, input_ids: Sequence[int], method: Method | str, *, max_new_t
         register()
         model.set_attn_implementation(CHUNKED_IMPL)
     m = parse_method(method) if isinstance(method, str) else method
+    m.check_replayable()
     cfg = m.config(page_size, sink_blocks, recent_blocks, min_context)
     engine = CompactAttention(cfg) if m.kind in ("compact", "blocksparse") else None
     ids = list(input_ids)

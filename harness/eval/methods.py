@@ -41,6 +41,8 @@ def compact_server_args(selector: str, params: dict[str, Any], min_context: int,
         extra += ["--compact-selector-params", json.dumps(sel_params)]
     if m.dense_layers:
         extra += ["--compact-dense-layers", ",".join(map(str, m.dense_layers))]
+    if m.dense_above is not None:
+        extra += ["--compact-dense-above", str(m.dense_above)]
     return extra
 
 

@@ -15,7 +15,8 @@ greedy, `/flush_cache` before every prompt, density from the server's
                           k=v may include dense_tail=N (`--compact-dense-tail N`: the prompt's last N
                           tokens read every page; default the backend's), recorded in every compact
                           row's params, and dense_layers=IDS (`--compact-dense-layers`, ids and ranges
-                          joined by '+': dense_layers=21-23), recorded when given
+                          joined by '+': dense_layers=21-23), recorded when given, and dense_above=D
+                          (`--compact-dense-above D`; default the server's cost model's), recorded when given
 HF methods (`--hf-methods`, e.g. quoka, blocksparse:flashprefill:alpha=0.4) run
 in-process with HF transformers (`harness.eval.hf_runner`) on the GPU,
 in a child process of this script, alongside the servers, on the first
@@ -527,6 +528,20 @@ def stop_servers(runs: Sequence[MethodRun]) -> None:
             list(ex.map(lambda s: s.stop(), live))
 
 
+def save_compact_metrics(runs: Sequence[MethodRun], log_dir: Path) -> None:
+    """Each compact server's `sglang:compact_*` series at the end (logs/metrics-LABEL.txt): which path its
+    q-blocks took (sparse, or dense and why), beside the densities the rows hold."""
+    for r in runs:
+        if r.kind != "server" or r.method == "dense":
+            continue
+        try:
+            text = Client(r.server.base_url, timeout=10).metrics_text()
+        except Exception as e:  # noqa: BLE001 (a diagnostic: never fail the run for it)
+            text = f"# /metrics not read: {type(e).__name__}: {e}\n"
+        lines = [ln for ln in text.splitlines() if ln.startswith(("sglang:compact_", "# /metrics"))]
+        (log_dir / f"metrics-{r.label}.txt").write_text("\n".join(lines) + "\n")
+
+
 def servers_summary(runs: Sequence[MethodRun]) -> dict[str, Any]:
     return {r.spec: {"command": shlex.join(r.server.command), "log": str(r.server.log_path), "status": r.status,
                      "start_seconds": None if r.start_seconds is None else round(r.start_seconds, 1),
@@ -720,6 +735,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             summary["schedule"] = res.as_dict()
             log(f"[{time.monotonic() - t0:5.0f}s] server cells: {len(res.done)}/{len(cells)} done"
                 + (f"; stopped: {res.stopped}" if res.stopped else ""))
+            save_compact_metrics(up, log_dir)
         stop_servers(server_runs)
         if hf_proc is not None:
             try:

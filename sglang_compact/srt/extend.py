@@ -85,7 +85,8 @@ class ExtendPlanner:
             if first_read_all else template
         rt.executor.plan_forward(ForwardShape.of(shape_of, None if first_read_all else row_pages), page_table)
         if rt.telemetry.wants_stats():
-            rt.telemetry.begin_forward(prefix, chunk, self._paths(qb, gated), self._sparse_tokens(qb))
+            rt.telemetry.begin_forward(prefix, chunk, self._paths(qb, gated), self._sparse_tokens(qb),
+                                       self._pages(qb, gated))
         return ExtendMetadata(template, qb.any_sparse, self._recall_target() if qb.any_sparse else None, observe,
                               first_read_all=first_read_all, executor_dense=bool(first_read_all))
 
@@ -97,6 +98,14 @@ class ExtendPlanner:
     @staticmethod
     def _sparse_tokens(qb: QBlocks) -> int:
         return sum(n for n, s in zip(qb.w_length, qb.w_sparse) if s)
+
+    @staticmethod
+    def _pages(qb: QBlocks, gated: QBlocks) -> tuple[int, int]:
+        """(context pages of the sparse windows, of the windows that turned dense by their density) (telemetry:
+        the pass's density counts the latter as reading every page)."""
+        sparse = sum(a + 1 for a, s in zip(qb.w_last, qb.w_sparse) if s)
+        turned = sum(a + 1 for a, s, g in zip(qb.w_last, qb.w_sparse, gated.w_sparse) if g and not s)
+        return sparse, turned
 
     def _with_dense(self, template: ChunkBatch, windows: list[int], prefix, chunk) -> ChunkBatch:
         qb = template.qblocks
@@ -126,7 +135,7 @@ class ExtendPlanner:
             if not md.sparse:
                 md.recall = None
             if rt.telemetry.wants_stats():
-                rt.telemetry.update_paths(self._paths(new, qb), self._sparse_tokens(new))
+                rt.telemetry.update_paths(self._paths(new, qb), self._sparse_tokens(new), self._pages(new, qb))
         row_pages = None
         if md.sparse and self._fixes_rows:
             new = md.template.qblocks

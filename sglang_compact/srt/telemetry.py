@@ -13,14 +13,17 @@ is read, and a second backend in the same process cannot clash on the default
 registry.
 
 Series (labels: SGLang's `model_name`, `tp_rank`, plus those below):
-  sglang:compact_density{layer}             gauge, latest sparse forward pass: pages the sparse rows read
+  sglang:compact_density{layer}             gauge, latest sparse forward pass: pages its sparse windows read
                                             over their context pages (1.0 for a layer that read every page
-                                            before the pass's observing layer)
+                                            before the pass's observing layer; windows that turned dense by
+                                            their observed density count as reading every page)
   sglang:compact_density_forward            histogram, per sparse forward pass (mean over its layers, those
-                                            that read every page included)
+                                            that read every page included); a pass the gate made sparse
+                                            whose windows all turned dense counts, at 1.0
   sglang:compact_coverage                   gauge, min over layers of the latest sparse pass: fraction of the
                                             selector's pages a density cap kept (1.0 without a cap)
-  sglang:compact_forward_passes_total       counter, forward passes with a sparse q-block
+  sglang:compact_forward_passes_total       counter, sparse forward passes (some q-block read a selection, or
+                                            turned dense by its observed density)
   sglang:compact_qblocks_total{path}        counter, q-blocks (one page of a chunk) by path: `sparse`,
                                             `dense_context` (context below the gate's min_context),
                                             `dense_tail` (in the prompt's dense tail), `dense` (selector dense),
@@ -64,8 +67,8 @@ class CompactMetrics:
         coverage = Gauge("sglang:compact_coverage", "Fraction of the selector's pages the density cap kept (min "
                          "over layers, latest sparse forward pass); 1.0 without a cap.", labelnames=names,
                          multiprocess_mode="mostrecent", **kw)
-        passes = Counter("sglang:compact_forward_passes", "Forward passes with a sparse q-block.", labelnames=names,
-                         **kw)
+        passes = Counter("sglang:compact_forward_passes", "Sparse forward passes (the gate made a q-block sparse).",
+                         labelnames=names, **kw)
         qblocks = Counter("sglang:compact_qblocks", "Chunk q-blocks (the chunk's tokens in one page) by path.",
                           labelnames=names + ["path"], **kw)
         tokens = Counter("sglang:compact_tokens", "Tokens of sparse q-blocks.", labelnames=names, **kw)
@@ -137,16 +140,20 @@ class CompactTelemetry:
         """Whether densities will be read (metrics on, or debug logging); when not, layers skip them."""
         return self.metrics is not None or logger.isEnabledFor(logging.DEBUG)
 
-    def begin_forward(self, prefix_lens, chunk_lens, qblock_paths: dict[str, int], sparse_tokens: int) -> None:
-        """A new extend pass: flushes the previous one. `qblock_paths`: q-blocks per path (see PATHS)."""
+    def begin_forward(self, prefix_lens, chunk_lens, qblock_paths: dict[str, int], sparse_tokens: int,
+                      pages: tuple[int, int] = (0, 0)) -> None:
+        """A new extend pass: flushes the previous one. `qblock_paths`: q-blocks per path (see PATHS); `pages`:
+        context pages (per kv head) of its sparse windows and of those that turned dense by their density."""
         self.flush()
         self._pass = dict(prefix_lens=list(prefix_lens), chunk_lens=list(chunk_lens),
-                          qblocks={p: int(qblock_paths.get(p, 0)) for p in PATHS}, sparse_tokens=int(sparse_tokens))
+                          qblocks={p: int(qblock_paths.get(p, 0)) for p in PATHS}, sparse_tokens=int(sparse_tokens),
+                          pages=tuple(pages))
 
-    def update_paths(self, qblock_paths: dict[str, int], sparse_tokens: int) -> None:
+    def update_paths(self, qblock_paths: dict[str, int], sparse_tokens: int, pages: tuple[int, int] = (0, 0)) -> None:
         """The current pass's paths after windows turned dense at its observing layer."""
         if self._pass is not None:
-            self._pass.update(qblocks={p: int(qblock_paths.get(p, 0)) for p in PATHS}, sparse_tokens=int(sparse_tokens))
+            self._pass.update(qblocks={p: int(qblock_paths.get(p, 0)) for p in PATHS}, sparse_tokens=int(sparse_tokens),
+                              pages=tuple(pages))
 
     def record_recall(self, values: torch.Tensor | None) -> None:
         """The mass recall of this pass's sparse windows (float [S], device), from the one layer measured."""
@@ -180,7 +187,14 @@ class CompactTelemetry:
         if recall is not None:
             values = values[:-2]
         per_layer = dict(zip(layers, values[:len(layers)]))
-        if per_layer:   # a pass whose windows all turned dense at its observing layer stays a dense pass
+        sparse_pages, dense_pages = p.get("pages", (0, 0))
+        if dense_pages:
+            # windows that turned dense by their observed density read every page of their context: weighted by
+            # pages into each selecting layer's density, and a pass whose windows all turned dense read 1.0
+            # in every layer (what it read, so a mean over such passes is not left to the sparse ones)
+            per_layer = {i: (x * sparse_pages + dense_pages) / (sparse_pages + dense_pages)
+                         for i, x in per_layer.items()} if sparse_pages else dict.fromkeys(range(self.num_layers), 1.0)
+        if per_layer:
             per_layer = dict(sorted({**per_layer, **dict.fromkeys(read_all, 1.0)}.items()))
         summary = dict(p, per_layer=per_layer, density=sum(per_layer.values()) / len(per_layer) if per_layer else None,
                        coverage=min(values[len(layers):], default=1.0), recall=recall_mean, recall_min=recall_min)
