@@ -6,9 +6,12 @@
 #       (results tarred into $OUT/qwen.tgz)
 #   bash scripts/gpu/qwen_h200.sh accuracy [accuracy_h200.py flags]       the accuracy suite on /tmp/qwen
 #       (default: 8K, 16K and 32K, chunk 1024; results tarred into $OUT/qwen_accuracy.tgz)
+#   bash scripts/gpu/qwen_h200.sh dense-check [serving_check.py flags]    compact's dense path on Qwen's shapes:
+#       the executor's GPU test through a 32K prompt, then `compact --compact-selector dense` (fa2 and auto)
+#       against stock token for token at 4K-32K, page 32, chunk 1024 (results in $OUT/qwen_dense.tgz)
 set -uo pipefail
 JOB=ttft
-if [[ ${1:-} == ttft || ${1:-} == accuracy ]]; then JOB=$1; shift; fi
+if [[ ${1:-} == ttft || ${1:-} == accuracy || ${1:-} == dense-check ]]; then JOB=$1; shift; fi
 source scripts/gpu/setup.sh || exit 1
 python3 scripts/gpu/pieces.py collect .pieces --into /tmp/pieces > /dev/null 2>&1 || true
 # the FA3 join decompresses with zstandard (its wheel comes with the first piece; a fresh machine lacks it)
@@ -25,6 +28,27 @@ if [ ! -f /tmp/qwen/config.json ]; then
   python3 scripts/gpu/pieces.py join qwen --dir /tmp/pieces --out /tmp/qwen.gguf && \
   python3 scripts/convert_gguf.py --model qwen2.5-coder --gguf /tmp/qwen.gguf --out /tmp/qwen --dtype bfloat16 \
     --quiet > /tmp/res/qwen_convert.log 2>&1; echo "convert: exit $?"; tail -2 /tmp/res/qwen_convert.log
+fi
+if [[ $JOB == dense-check ]]; then
+  R=/tmp/res/qwen_dense; rm -rf $R; mkdir -p $R
+  timeout 150 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu_core.py -k "qwen_shapes or dense_pass" -s \
+    > $R/gpu_test.log 2>&1
+  echo "gpu tests: $(tail -1 $R/gpu_test.log)"; grep -E "^FAILED|qwen dense .* rel_err=[^0]" $R/gpu_test.log | head
+  timeout ${DENSE_CHECK_S:-380} python3 scripts/gpu/serving_check.py --model-path /tmp/qwen --page-size 32 --chunk 1024 \
+    --lengths 4096,16384,32000,32000,32000 --new-tokens 16 --dense-kernels fa2,auto --skip long,concurrent,tight \
+    --out $R "$@" > $R/run.log 2>&1
+  echo "serving_check: exit $?"
+  python3 - <<'PY'
+import json
+r = json.load(open("/tmp/res/qwen_dense/serving_check.json"))
+for name, step in r["steps"].items():
+    print(name, f"{step.get('equal', 0)}/{step.get('n', '?')} equal;", step.get("error", ""),
+          [(x["len"], x.get("error") or (x["first_divergence"], x["gap_flashinfer"], x["gap_compact"]))
+           for x in step.get("rows", []) if not x["equal"]])
+PY
+  pkill -9 -f "launch_server|sglang::" 2>/dev/null
+  tar czf $OUT/qwen_dense.tgz -C /tmp/res qwen_dense
+  exit 0
 fi
 if [[ $JOB == accuracy ]]; then
   R=/tmp/res/qwen_accuracy; rm -rf $R; mkdir -p $R

@@ -6,8 +6,9 @@ Starts SGLang servers one after another on a Llama-3.1-8B config with dummy
 weights (`--load-format dummy --skip-tokenizer-init`, page 64), with SGLang's default
 (breakable) prefill CUDA graphs unless --no-prefill-graphs:
   1. stock `--attention-backend flashinfer`: greedy ids of N prompts (4K-32K tokens);
-  2. `compact` with selector `dense` (and fa2, stock's kernels): the same prompts, compared token for
-     token (at a divergence, the top-2 logprob gap of both servers is recorded);
+  2. `compact` with selector `dense`, once per `--dense-kernels` entry (default fa2, stock's kernels; `auto` is
+     the default configuration: fa3 dense passes on Hopper): the same prompts, compared token for token (at a
+     divergence, the top-2 logprob gap of both servers is recorded);
   3. `compact` with `flashprefill`: a 128K-token prompt with chunk 1024 (and a
      second server with chunk 8192), decode CUDA graphs on; 32 concurrent
      requests sharing prefixes; after a cache flush the pool's used-token count
@@ -18,6 +19,12 @@ weights (`--load-format dummy --skip-tokenizer-init`, page 64), with SGLang's de
      filled past its token limit with concurrent long prompts, which must all complete without an
      out-of-memory error, the pool returning to 0 used tokens.
 Writes `serving_check.json` and the server logs under --out.
+
+With `--model-path DIR` the servers load real weights from DIR (e.g. Qwen2.5-Coder-0.5B, converted by
+scripts/convert_gguf.py) instead of the dummy 8B config; `--page-size`, `--chunk` and `--lengths` set the
+dense step's shapes. The check that found compact's dense path wrong on Qwen at 32K (2026-12-02) is
+    python3 scripts/gpu/serving_check.py --model-path /tmp/qwen --page-size 32 --chunk 1024 \
+        --lengths 4096,16384,32000,32000,32000 --dense-kernels fa2,auto --skip long,concurrent,tight
 """
 
 from __future__ import annotations
@@ -39,12 +46,18 @@ from make_llama_config import write_model_dir  # noqa: E402
 from harness.server import GenerateResult, SGLangServer  # noqa: E402
 
 
+#: where the servers run: the GPU host; `--device cpu` runs the dense step on the CPU server (a smoke check)
+DEVICE = {"device": "cuda", "dtype": None}
+
+
 def start_server(module: str, model, args: list[str], log_path: Path, timeout: float = 600) -> SGLangServer:
-    """A started GPU server of `module` on `model` with exactly `args` (SGLang's defaults otherwise), its output in
+    """A started server of `module` on `model` with exactly `args` (SGLang's defaults otherwise), its output in
     `log_path`; stopped with SIGTERM, then its process group killed after 30 s."""
-    return SGLangServer(model, module=module, device="cuda", dtype=None, max_total_tokens=None,
-                        max_running_requests=None, extra_args=args, log_path=log_path, start_timeout=timeout,
-                        request_timeout=1200, stop_grace=30.0).start()
+    cpu = DEVICE["device"] == "cpu"
+    return SGLangServer(model, module=module, device=DEVICE["device"], dtype=DEVICE["dtype"],
+                        max_total_tokens=8192 if cpu else None, max_running_requests=8 if cpu else None,
+                        extra_args=args, log_path=log_path, start_timeout=timeout, request_timeout=1200,
+                        stop_grace=30.0).start()
 
 
 def generate(srv: SGLangServer, ids: list[int], n: int, logprobs: bool = False) -> GenerateResult:
@@ -88,18 +101,41 @@ def main() -> None:
     ap.add_argument("--tight-prompt", type=int, default=32768, help="prompt length of the tight-memory step")
     ap.add_argument("--no-prefill-graphs", action="store_true",
                     help="--disable-prefill-cuda-graph for every server (default: SGLang's breakable prefill graphs)")
+    ap.add_argument("--model-path", default=None,
+                    help="real weights (an HF folder) instead of the dummy Llama-3.1-8B config")
+    ap.add_argument("--page-size", type=int, default=64)
+    ap.add_argument("--chunk", type=int, default=8192, help="--chunked-prefill-size of the dense step")
+    ap.add_argument("--lengths", default=None, help="comma list of the dense step's prompt lengths "
+                    "(default: 10 from 4K to 32K, the first --prompts of them)")
+    ap.add_argument("--dense-kernels", default="fa2",
+                    help="comma list of --compact-prefill-kernel values the dense step compares with stock "
+                         "(fa2, fa3, auto)")
+    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
+                    help="cpu: the CPU server in float32 (a smoke check of the dense step on a small model)")
     a = ap.parse_args()
+    if a.device == "cpu":
+        DEVICE.update(device="cpu", dtype="float32")
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    model = write_model_dir("/tmp/llama-3.1-8b-dummy", "llama-3.1-8b", a.layers)
     skip = set(filter(None, a.skip.split(",")))
-    common = ["--load-format", "dummy", "--skip-tokenizer-init", "--page-size", "64",
-              "--mem-fraction-static", "0.8", "--tp", str(a.tp), "--max-running-requests", "48"]
+    if a.model_path:
+        model = a.model_path
+        common = ["--page-size", str(a.page_size), "--tp", str(a.tp)]
+        if a.device == "cuda":
+            common += ["--mem-fraction-static", "0.8", "--max-running-requests", "48"]
+        vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
+        id_range = (1000, min(120000, vocab - 1000))
+    else:
+        model = write_model_dir("/tmp/llama-3.1-8b-dummy", "llama-3.1-8b", a.layers)
+        common = ["--load-format", "dummy", "--skip-tokenizer-init", "--page-size", str(a.page_size),
+                  "--mem-fraction-static", "0.8", "--tp", str(a.tp), "--max-running-requests", "48"]
+        id_range = (1000, 120000)
     if a.no_prefill_graphs:
         common.append("--disable-prefill-cuda-graph")
     rng = random.Random(0)
-    lengths = [4096, 6000, 8192, 10000, 12288, 16384, 20000, 24576, 28000, 32000][:a.prompts]
-    prompts = [[rng.randrange(1000, 120000) for _ in range(L)] for L in lengths]
+    lengths = [int(x) for x in a.lengths.split(",")] if a.lengths else \
+        [4096, 6000, 8192, 10000, 12288, 16384, 20000, 24576, 28000, 32000][:a.prompts]
+    prompts = [[rng.randrange(*id_range) for _ in range(L)] for L in lengths]
     report = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "tp": a.tp, "layers": a.layers,
               "new_tokens": a.new_tokens, "steps": {}}
 
@@ -107,32 +143,23 @@ def main() -> None:
         (out / "serving_check.json").write_text(json.dumps(report, indent=1))
 
     if "dense" not in skip:
-        chunk = ["--chunked-prefill-size", "8192"]
-        srv = start_server("sglang.launch_server", model, common + chunk + ["--attention-backend", "flashinfer"],
+        chunk = ["--chunked-prefill-size", str(a.chunk)]
+        if a.model_path and max(lengths) > 32000:
+            chunk += ["--context-length", str(max(lengths) + a.new_tokens + 64)]
+        stock = "flashinfer" if a.device == "cuda" else "torch_native"   # SGLang's CPU server runs torch_native
+        srv = start_server("sglang.launch_server", model, common + chunk + ["--attention-backend", stock],
                            out / "fi.log")
         try:
             want = [generate(srv, p, a.new_tokens, logprobs=True) for p in prompts]
         finally:
             srv.stop()
-        srv = start_server("sglang_compact.launch_server", model, common + chunk + [
-            # the stock path on stock's kernels (fa2): equal numbers, not just equal tokens, are expected
-            "--attention-backend", "compact", "--compact-selector", "dense", "--compact-prefill-kernel", "fa2"],
-            out / "compact_dense.log")
-        try:
-            got = [generate(srv, p, a.new_tokens, logprobs=True) for p in prompts]
-        finally:
-            srv.stop()
-        rows = []
-        for L, w, g in zip(lengths, want, got):
-            wi, gi = w.output_ids, g.output_ids
-            k = next((i for i, (x, y) in enumerate(zip(wi, gi)) if x != y), None)
-            rows.append({"len": L, "equal": wi == gi, "first_divergence": k,
-                         "gap_flashinfer": None if k is None else top2_gap(w.meta_info, k),
-                         "gap_compact": None if k is None else top2_gap(g.meta_info, k),
-                         "fi_s": round(w.seconds, 3), "compact_s": round(g.seconds, 3)})
-        report["steps"]["dense_vs_flashinfer"] = {"rows": rows, "equal": sum(r["equal"] for r in rows),
-                                                  "n": len(rows)}
-        save()
+        for kernel in a.dense_kernels.split(","):
+            # on stock's kernels (fa2) equal numbers, not just equal tokens, are expected
+            report["steps"][f"dense_vs_flashinfer_{kernel}"] = dense_step(
+                model, common + chunk + ["--attention-backend", "compact", "--compact-selector", "dense",
+                                         "--compact-prefill-kernel", kernel],
+                out / f"compact_dense_{kernel}.log", lengths, prompts, want, a.new_tokens)
+            save()
 
     if "long" not in skip:
         for chunk in [int(c) for c in a.long_chunks.split(",")]:
@@ -172,6 +199,36 @@ def main() -> None:
         report["steps"]["tight_memory"] = tight_memory(a, model, out, rng, save, report)
     save()
     print(json.dumps(report, indent=1)[-6000:])
+
+
+def dense_step(model, args: list[str], log: Path, lengths, prompts, want, new_tokens: int) -> dict:
+    """One compact server (`args`) on the dense step's prompts against stock's answers (`want`): per prompt whether
+    the tokens are equal, where they first differ and both servers' top-2 gap there; a server that dies is
+    recorded (its log's last lines), not raised, so the other kernels still run."""
+    rows = []
+    try:
+        srv = start_server("sglang_compact.launch_server", model, args, log)
+    except Exception as e:  # noqa: BLE001
+        return {"error": f"start: {type(e).__name__}: {e}", "log_tail": tail(log, 3000)}
+    try:
+        for L, p, w in zip(lengths, prompts, want):
+            try:
+                g = generate(srv, p, new_tokens, logprobs=True)
+            except Exception as e:  # noqa: BLE001
+                rows.append({"len": L, "equal": False, "error": f"{type(e).__name__}: {e}"})
+                break
+            wi, gi = w.output_ids, g.output_ids
+            k = next((i for i, (x, y) in enumerate(zip(wi, gi)) if x != y), None)
+            rows.append({"len": L, "equal": wi == gi, "first_divergence": k,
+                         "gap_flashinfer": None if k is None else top2_gap(w.meta_info, k),
+                         "gap_compact": None if k is None else top2_gap(g.meta_info, k),
+                         "fi_s": round(w.seconds, 3), "compact_s": round(g.seconds, 3)})
+    finally:
+        srv.stop()
+    step = {"rows": rows, "equal": sum(r["equal"] for r in rows), "n": len(prompts)}
+    if any("error" in r for r in rows):
+        step["log_tail"] = tail(log, 3000)
+    return step
 
 
 def tight_memory(a, model, out: Path, rng, save, report) -> dict:

@@ -10,8 +10,10 @@ python3 - <<'PY'
 import json
 r = json.load(open("/tmp/res/serving/serving_check.json"))
 for name, step in r["steps"].items():
-    if name == "dense_vs_flashinfer":
-        print(name, f"{step['equal']}/{step['n']} equal;", [(x["len"], x["equal"], x["gap_flashinfer"], x["gap_compact"]) for x in step["rows"] if not x["equal"]])
+    if name.startswith("dense_vs_flashinfer"):
+        print(name, f"{step.get('equal', 0)}/{step.get('n', '?')} equal;", step.get("error", ""),
+              [(x["len"], x.get("error") or (x["first_divergence"], x["gap_flashinfer"], x["gap_compact"]))
+               for x in step.get("rows", []) if not x["equal"]])
     else:
         print(name, {k: v for k, v in step.items() if k not in ("concurrent",)}, step.get("concurrent", {}).get("ok"),
               step.get("concurrent", {}).get("used_tokens_after_flush"))
