@@ -162,6 +162,43 @@ def test_dense_passes_of_a_32k_prompt_on_qwen_shapes(kernel):
     torch.cuda.synchronize()
 
 
+@pytest.mark.parametrize("kernel,selector", [("fa2", "dense"), ("fa3", "dense"), ("fa2", "flashprefill"),
+                                             ("fa3-auto", "budget")])
+def test_passes_planned_while_the_gpu_lags(kernel, selector):
+    """Every pass planned while the GPU still runs the earlier ones (a sleep kernel queued before each, as when
+    other processes share the GPU) gives, bit for bit, what it gives planned on an idle GPU. FlashInfer's plan()
+    queues its schedule's copy from a page-locked host buffer without waiting for it; re-planning the wrapper
+    before that copy ran handed the earlier pass the later schedule (H200, 2026-12-02: wrong outputs on fa2, an
+    illegal memory access on fa3; scripts/gpu/plan_race_check.py). Qwen2.5-Coder-0.5B's shapes, page 32."""
+    ranges = [(0, 0)] if selector == "dense" else None
+    passes = [gpu_batch([prefix], [1024], 14, 2, 64, seed=200 + i, page=32, sparse_ranges=ranges)
+              for i, prefix in enumerate([2048, 30720, 4096, 16384, 8192])]
+    cfg = None if selector == "dense" else CompactConfig(
+        block_size=32, selector=selector, selector_params={"alpha": 0.1} if selector == "flashprefill" else {"density": 0.3})
+    biggest = max(passes, key=lambda b: b.num_rows * b.qblocks.max_pages)
+
+    def run_pass(ex, b):
+        if selector == "dense":
+            ex.plan_forward(ForwardShape.of(b), b.page_table)
+            assert ex.mode == "dense"
+            return ex.run_dense(b.q, b.k_pool, b.v_pool)
+        return run_layer(b, cfg, ex)[0]
+
+    lagging = executor(biggest, kernel)
+    outs = []
+    for b in passes:
+        torch.cuda._sleep(50_000_000)
+        outs.append(run_pass(lagging, b))
+    torch.cuda.synchronize()
+    idle = executor(biggest, kernel)
+    for i, (b, out) in enumerate(zip(passes, outs)):
+        expected = run_pass(idle, b)
+        torch.cuda.synchronize()
+        assert torch.equal(out, expected), (i, b.prefix_lens_cpu, rel_err(out, expected))
+        if selector == "dense":
+            assert rel_err(out, reference_attention(b, b.full_table())) <= 1e-2
+
+
 @pytest.mark.parametrize("kernel", ["fa2", "fa3"])
 def test_dense_pass_is_one_flashinfer_paged_pass(kernel):
     """Bit for bit what a fresh FlashInfer causal paged plan over each request's context pages gives (the pass is

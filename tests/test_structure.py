@@ -87,6 +87,23 @@ def test_the_backend_module_imports_only_the_interface_from_sglang():
                   "sglang.srt.layers.attention.base_attn_backend.AttentionBackend"]
 
 
+def test_flashinfer_wrappers_are_planned_only_through_the_adapter():
+    """FlashInfer's plan() must not be called again before the GPU copied the previous plan (H200, 2026-12-02:
+    wrong outputs on fa2, an illegal memory access on fa3); `flashinfer_adapter.plan` waits for that copy, so
+    every `.plan(...)` call in the package goes through it (or is one of the backend's planners)."""
+    allowed = {"fi", "self.extend", "self.decode"}
+    offenders = []
+    for name, path in product_modules().items():
+        if name == "sglang_compact.executors.flashinfer_adapter":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "plan":
+                receiver = ast.unparse(node.func.value)
+                if receiver not in allowed:
+                    offenders.append(f"{name}:{node.lineno}: {receiver}.plan(...)")
+    assert not offenders, offenders
+
+
 def test_a_toy_selector_from_one_outside_module_runs_the_pipeline():
     import torch
 

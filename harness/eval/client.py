@@ -45,10 +45,10 @@ class Client:
         that turned dense by their observed density reading every page), one observation per sparse forward
         pass); None when the server does not expose it."""
         try:
-            text = self._req("/metrics")
+            text = self.metrics_text()
         except (urllib.error.URLError, OSError):
             return None
-        return parse_density_counters(text) if isinstance(text, str) else None
+        return parse_density_counters(text) if text else None
 
 
 def parse_density_counters(text: str) -> tuple[float, float] | None:

@@ -6,6 +6,14 @@ device tensors the wrapper runs from. FlashInfer keeps those tensors in
 private attributes (`_paged_kv_indptr_buf`, `_paged_kv_indices_buf`, set by
 `plan()`); `index_buffers` reads them and fails with a clear message when a
 FlashInfer release renames them.
+
+Every plan goes through `plan`: FlashInfer's `plan()` writes its schedule into a
+page-locked host buffer of the wrapper and queues the copy to the device
+without waiting for it, so planning the same wrapper again before the GPU has
+made that copy hands the work planned first the second schedule (wrong outputs
+on fa2, an illegal memory access on fa3: `scripts/gpu/plan_race_check.py`).
+That happens whenever the GPU lags the host by a whole pass, e.g. when other
+processes share it.
 """
 
 from __future__ import annotations
@@ -43,6 +51,20 @@ def paged_wrapper(workspace: torch.Tensor, backend: str):
 def decode_wrapper(workspace: torch.Tensor, **buffers):
     """Decode over a head-major pool with tensor cores (CUDA-graph buffers in `buffers` when given)."""
     return flashinfer().BatchDecodeWithPagedKVCacheWrapper(workspace, "HND", use_tensor_cores=True, **buffers)
+
+
+def plan(wrapper, *args, **kwargs) -> None:
+    """`wrapper.plan(*args, **kwargs)`, after the GPU has made the host-to-device copy of the wrapper's previous
+    plan (the host waits on an event recorded after it; no wait unless the GPU lags that far behind)."""
+    capturing = torch.cuda.is_current_stream_capturing()
+    copied = getattr(wrapper, "_compact_plan_copied", None)
+    if copied is not None and not capturing:
+        copied.synchronize()
+    wrapper.plan(*args, **kwargs)
+    if not capturing:
+        if copied is None:
+            copied = wrapper._compact_plan_copied = torch.cuda.Event()
+        copied.record()
 
 
 def index_buffers(wrapper) -> IndexBuffers:

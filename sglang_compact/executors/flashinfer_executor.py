@@ -103,9 +103,9 @@ class FlashInferExecutor:
         indices = self._context_indices(page_table, range(len(n)), n)
         last = [E - (k - 1) * s.page_size if k else 0 for E, k in zip(s.context_lens(), n)]
         w = self._paged_wrapper(kernel, "dense")
-        w.plan(_i32(host_cumsum(s.chunk_lens)), _i32(host_cumsum(n)), indices, _i32(last), s.num_q_heads,
-               s.num_kv_heads, s.head_dim, s.page_size, causal=True, sm_scale=s.sm_scale, q_data_type=s.dtype,
-               kv_data_type=s.dtype)
+        fi.plan(w, _i32(host_cumsum(s.chunk_lens)), _i32(host_cumsum(n)), indices, _i32(last), s.num_q_heads,
+                s.num_kv_heads, s.head_dim, s.page_size, causal=True, sm_scale=s.sm_scale, q_data_type=s.dtype,
+                kv_data_type=s.dtype)
         self._dense = w
 
     def _plan_apart(self, shape: ForwardShape, page_table: torch.Tensor) -> None:
@@ -120,9 +120,9 @@ class FlashInferExecutor:
         indices = self._context_indices(page_table, [b for b, *_ in segments], pages)
         tokens = torch.cat([torch.arange(st, st + n, dtype=torch.int64) for _, st, n, _ in segments])
         w = self._paged_wrapper(self.kernel, "apart")
-        w.plan(_i32(host_cumsum([n for _, _, n, _ in segments])), _i32(host_cumsum(pages)), indices,
-               _i32(e - (k - 1) * P for e, k in zip(ends, pages)), s.num_q_heads, s.num_kv_heads, s.head_dim, P,
-               causal=True, sm_scale=s.sm_scale, q_data_type=s.dtype, kv_data_type=s.dtype)
+        fi.plan(w, _i32(host_cumsum([n for _, _, n, _ in segments])), _i32(host_cumsum(pages)), indices,
+                _i32(e - (k - 1) * P for e, k in zip(ends, pages)), s.num_q_heads, s.num_kv_heads, s.head_dim, P,
+                causal=True, sm_scale=s.sm_scale, q_data_type=s.dtype, kv_data_type=s.dtype)
         self._apart = (w, tokens.to(self.device, non_blocking=True))
 
     def _rows_plan(self, shape: ForwardShape):
@@ -149,9 +149,9 @@ class FlashInferExecutor:
         # each layer's index kernel writes into it
         if self._indices.numel() < max(ub[-1], 1):
             self._indices = torch.zeros(max(ub[-1], 1), dtype=torch.int32, device=self.device)
-        w.plan(self._qo, _i32(kv_indptr), self._indices[:max(ub[-1], 1)], self._last,
-               s.num_q_heads // s.num_kv_heads, 1, s.head_dim, s.page_size, causal=True, sm_scale=s.sm_scale,
-               q_data_type=s.dtype, kv_data_type=s.dtype, **extra)
+        fi.plan(w, self._qo, _i32(kv_indptr), self._indices[:max(ub[-1], 1)], self._last,
+                s.num_q_heads // s.num_kv_heads, 1, s.head_dim, s.page_size, causal=True, sm_scale=s.sm_scale,
+                q_data_type=s.dtype, kv_data_type=s.dtype, **extra)
         self.index_buffers = fi.index_buffers(w)
 
     # --- per layer ----------------------------------------------------------------------------------
@@ -177,8 +177,8 @@ class FlashInferExecutor:
         w = self._paged_wrapper(self._rows_kernel, "rows")
         if self.mode == "rows-per-layer":
             n = int(indices.kv_indptr[-1])  # fa3 needs real lengths on the host: one sync per layer
-            w.plan(self._qo, indices.kv_indptr.cpu(), indices.kv_indices[:n], self._last, s.num_q_heads // H_kv, 1, D,
-                   P, causal=True, sm_scale=s.sm_scale, q_data_type=s.dtype, kv_data_type=s.dtype)
+            fi.plan(w, self._qo, indices.kv_indptr.cpu(), indices.kv_indices[:n], self._last, s.num_q_heads // H_kv,
+                    1, D, P, causal=True, sm_scale=s.sm_scale, q_data_type=s.dtype, kv_data_type=s.dtype)
         else:
             self._load(indices)
         kv = (batch.k_pool.view(-1, 1, P, D), batch.v_pool.view(-1, 1, P, D))

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from sglang_compact.batch import ChunkBatch, QBlocks, cdiv, host_cumsum
+from sglang_compact.executors import flashinfer_adapter as fi
 from sglang_compact.executors.torch_executor import causal_context_attention
 from sglang_compact.summaries import store_kv
 from sglang_compact.srt import compat
@@ -40,7 +41,6 @@ class DecodePlanner:
         bs = fb.batch_size
         seq_lens = compat.host_seq_lens(fb, bs)
         if rt.is_cuda:
-            from sglang_compact.executors import flashinfer_adapter as fi
             if self.eager_wrapper is None:
                 self.eager_wrapper = fi.decode_wrapper(self.workspace)
             self._plan(self.eager_wrapper, fb.req_pool_indices[:bs], seq_lens)
@@ -68,9 +68,9 @@ class DecodePlanner:
         slots = rt.req_to_token[req_pool_indices.long()[req], page_pos * P]
         indices = torch.div(slots, P, rounding_mode="floor").to(torch.int32)
         last = [L - (k - 1) * P for L, k in zip(seq_lens, n)]
-        wrapper.plan(torch.tensor(indptr, dtype=torch.int32), indices, torch.tensor(last, dtype=torch.int32),
-                     rt.num_q_heads, rt.view.num_kv_heads, rt.view.head_dim, P, q_data_type=rt.view.kv_dtype,
-                     kv_data_type=rt.view.kv_dtype, sm_scale=rt.sm_scale)
+        fi.plan(wrapper, torch.tensor(indptr, dtype=torch.int32), indices, torch.tensor(last, dtype=torch.int32),
+                rt.num_q_heads, rt.view.num_kv_heads, rt.view.head_dim, P, q_data_type=rt.view.kv_dtype,
+                kv_data_type=rt.view.kv_dtype, sm_scale=rt.sm_scale)
 
     # --- decode CUDA graphs ---------------------------------------------------------------------
     def init_cuda_graph_state(self, max_bs: int) -> None:
@@ -82,7 +82,6 @@ class DecodePlanner:
         )
 
     def plan_for_graph(self, fb) -> DecodeMetadata:
-        from sglang_compact.executors import flashinfer_adapter as fi
         bs = fb.batch_size
         w = self.graph_wrappers.get(bs)
         if w is None:

@@ -85,8 +85,7 @@ class ExtendPlanner:
             if first_read_all else template
         rt.executor.plan_forward(ForwardShape.of(shape_of, None if first_read_all else row_pages), page_table)
         if rt.telemetry.wants_stats():
-            rt.telemetry.begin_forward(prefix, chunk, self._paths(qb, gated), self._sparse_tokens(qb),
-                                       self._pages(qb, gated))
+            rt.telemetry.begin_forward(prefix, chunk, *self._pass_paths(qb, gated))
         return ExtendMetadata(template, qb.any_sparse, self._recall_target() if qb.any_sparse else None, observe,
                               first_read_all=first_read_all, executor_dense=bool(first_read_all))
 
@@ -95,17 +94,15 @@ class ExtendPlanner:
         cfg = self.rt.config
         return cfg.spec.fixes_rows_at_observing_layer(cfg.params)
 
-    @staticmethod
-    def _sparse_tokens(qb: QBlocks) -> int:
-        return sum(n for n, s in zip(qb.w_length, qb.w_sparse) if s)
-
-    @staticmethod
-    def _pages(qb: QBlocks, gated: QBlocks) -> tuple[int, int]:
-        """(context pages of the sparse windows, of the windows that turned dense by their density) (telemetry:
-        the pass's density counts the latter as reading every page)."""
+    def _pass_paths(self, qb: QBlocks, gated: QBlocks) -> tuple[dict[str, int], int, tuple[int, int]]:
+        """The pass's telemetry, as `CompactTelemetry.begin_forward` / `update_paths` take it: q-blocks per path,
+        tokens of sparse q-blocks, and (context pages of the sparse windows, of those that turned dense by their
+        observed density: the pass's density counts the latter as reading every page). `gated`: the q-blocks as
+        the gate made them."""
+        sparse_tokens = sum(n for n, s in zip(qb.w_length, qb.w_sparse) if s)
         sparse = sum(a + 1 for a, s in zip(qb.w_last, qb.w_sparse) if s)
         turned = sum(a + 1 for a, s, g in zip(qb.w_last, qb.w_sparse, gated.w_sparse) if g and not s)
-        return sparse, turned
+        return self._paths(qb, gated), sparse_tokens, (sparse, turned)
 
     def _with_dense(self, template: ChunkBatch, windows: list[int], prefix, chunk) -> ChunkBatch:
         qb = template.qblocks
@@ -135,7 +132,7 @@ class ExtendPlanner:
             if not md.sparse:
                 md.recall = None
             if rt.telemetry.wants_stats():
-                rt.telemetry.update_paths(self._paths(new, qb), self._sparse_tokens(new), self._pages(new, qb))
+                rt.telemetry.update_paths(*self._pass_paths(new, qb))
         row_pages = None
         if md.sparse and self._fixes_rows:
             new = md.template.qblocks
@@ -158,7 +155,7 @@ class ExtendPlanner:
         m = k // every
         return m % rt.view.num_layers, m % rt.view.num_kv_heads
 
-    def _paths(self, qb: QBlocks, gated: QBlocks | None = None) -> dict[str, int]:
+    def _paths(self, qb: QBlocks, gated: QBlocks) -> dict[str, int]:
         """q-blocks per path of their window (telemetry): sparse, or dense and why (`gated`: the q-blocks as
         the gate made them, before windows turned dense from their observed density)."""
         gate = self.rt.gate
@@ -167,7 +164,7 @@ class ExtendPlanner:
         for w in qb.window:
             if qb.w_sparse[w]:
                 path = "sparse"
-            elif gated is not None and gated.w_sparse[w]:
+            elif gated.w_sparse[w]:
                 path = "dense_density"
             elif context_lo is None:
                 path = "dense"
