@@ -173,8 +173,8 @@ def test_passes_planned_while_the_gpu_lags(kernel, selector):
     ranges = [(0, 0)] if selector == "dense" else None
     passes = [gpu_batch([prefix], [1024], 14, 2, 64, seed=200 + i, page=32, sparse_ranges=ranges)
               for i, prefix in enumerate([2048, 30720, 4096, 16384, 8192])]
-    cfg = None if selector == "dense" else CompactConfig(
-        block_size=32, selector=selector, selector_params={"alpha": 0.1} if selector == "flashprefill" else {"density": 0.3})
+    params = {"alpha": 0.1} if selector == "flashprefill" else {"density": 0.3}
+    cfg = None if selector == "dense" else CompactConfig(block_size=32, selector=selector, selector_params=params)
     biggest = max(passes, key=lambda b: b.num_rows * b.qblocks.max_pages)
 
     def run_pass(ex, b):
