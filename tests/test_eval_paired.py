@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.eval.paired import load_scores, paired_difference
+from harness.eval.paired import load_scores, merge_predictions, paired_difference
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -63,3 +63,51 @@ def test_cli(tmp_path):
     r = subprocess.run([sys.executable, "scripts/eval_longctx.py", "paired", str(a), str(b), "--length", "4096"],
                        capture_output=True, text=True, cwd=REPO_ROOT, timeout=120)
     assert r.returncode == 1 and "no prompts of length 4096" in r.stderr
+
+
+def write_run(run: Path, name: str, records: list[tuple[str, int, float, str]]) -> None:
+    """records: (task, index, score, answer) at 32512 tokens, seed 0, as accuracy_h200.py writes them."""
+    (run / "preds").mkdir(parents=True, exist_ok=True)
+    with open(run / "preds" / name, "w") as f:
+        for task, index, score, answer in records:
+            f.write(json.dumps({"task": task, "length": 32512, "index": index, "seed": 0, "score": score,
+                                "answers": [answer], "num_tokens": 32400 + index, "pred": answer}) + "\n")
+
+
+def test_merge_joins_calls_by_method_and_refuses_what_cannot_pair(tmp_path):
+    # call 1: dense and a compact method on cell mk; call 2: the compact method on cell mv, dense on mv
+    write_run(tmp_path / "call1", "dense.jsonl", [("mk", i, 1.0, f"a{i}") for i in range(4)])
+    write_run(tmp_path / "call1", "compact.jsonl", [("mk", i, float(i % 2), f"a{i}") for i in range(4)])
+    write_run(tmp_path / "call2", "dense.jsonl", [("mv", i, 1.0, f"b{i}") for i in range(4)])
+    write_run(tmp_path / "call2", "compact.jsonl", [("mv", i, 1.0, f"b{i}") for i in range(4)])
+    r = subprocess.run([sys.executable, "scripts/eval_longctx.py", "merge", str(tmp_path / "m"),
+                        str(tmp_path / "call1"), str(tmp_path / "call2")],
+                       capture_output=True, text=True, cwd=REPO_ROOT, timeout=120)
+    assert r.returncode == 0, r.stderr
+    merged = [json.loads(x) for x in (tmp_path / "m" / "compact.jsonl").read_text().splitlines()]
+    assert [(x["task"], x["run"]) for x in merged][::4] == [("mk", "call1"), ("mv", "call2")]
+    A, B = load_scores(tmp_path / "m" / "dense.jsonl"), load_scores(tmp_path / "m" / "compact.jsonl")
+    assert paired_difference(A, B, 32512, n_boot=200).per_task == {"mk": (100.0, 50.0), "mv": (100.0, 100.0)}
+    # the same method scoring a prompt in two calls: which one counts is not ours to pick
+    write_run(tmp_path / "call3", "compact.jsonl", [("mv", 0, 0.0, "b0")])
+    with pytest.raises(ValueError, match="scored in both call2 and call3"):
+        merge_predictions([tmp_path / "call1", tmp_path / "call2", tmp_path / "call3"], tmp_path / "m2")
+    # a different prompt under the same key (another seed or generator): nothing pairs, nothing is written
+    write_run(tmp_path / "call4", "other.jsonl", [("mk", 1, 1.0, "zz")])
+    with pytest.raises(ValueError, match="not the same prompts"):
+        merge_predictions([tmp_path / "call1", tmp_path / "call4"], tmp_path / "m3")
+    assert not (tmp_path / "m2").exists() and not (tmp_path / "m3").exists()
+
+
+def test_paired_with_several_methods_prints_a_summary_first(tmp_path):
+    a = write(tmp_path / "dense.jsonl", {("t1", 2048, i): 1.0 for i in range(4)})
+    b = write(tmp_path / "half.jsonl", {("t1", 2048, i): float(i % 2) for i in range(4)})
+    c = write(tmp_path / "same.jsonl", {("t1", 2048, i): 1.0 for i in range(4)})
+    r = subprocess.run([sys.executable, "scripts/eval_longctx.py", "paired", str(a), str(b), str(c),
+                        "--length", "2048"], capture_output=True, text=True, cwd=REPO_ROOT, timeout=120)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0].startswith("| method (B) |")
+    assert "| half | t1 | 4 | 100.0 | 50.0 | -50.0 |" in lines[2]
+    assert lines[3] == "| same | t1 | 4 | 100.0 | 100.0 | +0.0 | [+0.0, +0.0] |"
+    assert "half - dense, 2048 tokens" in r.stdout and "same - dense, 2048 tokens" in r.stdout

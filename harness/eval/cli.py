@@ -14,6 +14,8 @@
     python scripts/eval_longctx.py report
     # B - A prompt by prompt (same seed), with a bootstrap interval, from two runs' scored predictions
     python scripts/eval_longctx.py paired preds/dense.jsonl preds/compact_flashprefill_alpha0.4.jsonl --length 8192
+    # one file per method from several GPU-host calls on the same seed (then `paired` across them)
+    python scripts/eval_longctx.py merge merged/ call1/ call2/ call3/
 
 Density of a compact run: from the server's `/metrics` when it exposes
 `sglang:compact_density_forward` (our presets pass `--enable-metrics`),
@@ -65,6 +67,17 @@ def cmd_paired(args) -> int:
         print(main_paired(args.a, args.b, args.length, args.tasks, args.n_boot), end="")
     except (OSError, ValueError, KeyError) as e:
         sys.exit(f"eval_longctx paired: {e}")
+    return 0
+
+
+def cmd_merge(args) -> int:
+    from harness.eval.paired import merge_predictions
+    try:
+        counts = merge_predictions(args.runs, args.out)
+    except (OSError, ValueError, KeyError) as e:
+        sys.exit(f"eval_longctx merge: {e}")
+    for name, n in counts.items():
+        print(f"{args.out}/{name}: {n} prompts")
     return 0
 
 
@@ -159,11 +172,15 @@ def build_parser(defaults: Mapping[str, Any] | None = None) -> argparse.Argument
     r.set_defaults(func=cmd_report)
     pr = sub.add_parser("paired", help="B - A on the same prompts, from two scored-prediction JSONL files")
     pr.add_argument("a", help="JSONL of method A (e.g. preds/dense.jsonl of accuracy_h200.py)")
-    pr.add_argument("b", help="JSONL of method B")
+    pr.add_argument("b", nargs="+", help="JSONL of method B (several: a summary table first)")
     pr.add_argument("--length", type=int, required=True)
     pr.add_argument("--tasks", nargs="+", choices=list(TASKS), help="default: every task both files have")
     pr.add_argument("--n-boot", type=int, default=2000)
     pr.set_defaults(func=cmd_paired)
+    mg = sub.add_parser("merge", help="one JSONL per method from several runs' scored predictions (same seed)")
+    mg.add_argument("out", help="folder for the merged files")
+    mg.add_argument("runs", nargs="+", help="run folders (their preds/ or the JSONL files themselves)")
+    mg.set_defaults(func=cmd_merge)
     return ap
 
 

@@ -96,6 +96,69 @@ def paired_markdown(r: PairedResult, name_a: str, name_b: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main_paired(path_a: str, path_b: str, length: int, tasks: Sequence[str] | None, n_boot: int) -> str:
-    r = paired_difference(load_scores(path_a), load_scores(path_b), length, tasks, n_boot=n_boot)
-    return paired_markdown(r, Path(path_a).stem, Path(path_b).stem)
+def paired_summary(rows: Sequence[tuple[str, PairedResult]], name_a: str) -> str:
+    """One line per method B against the same A: its tasks, n, the difference and its interval."""
+    lines = [f"| method (B) | tasks | n per task | {name_a} | B | B - {name_a} | 95% interval |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for name, r in rows:
+        n = sorted(set(r.n_per_task.values()))
+        lines.append(f"| {name} | {', '.join(r.tasks)} | {'/'.join(map(str, n))} | {r.mean_a:.1f} | {r.mean_b:.1f} | "
+                     f"{r.diff:+.1f} | [{r.ci_low:+.1f}, {r.ci_high:+.1f}] |")
+    return "\n".join(lines) + "\n"
+
+
+def main_paired(path_a: str, paths_b: str | Sequence[str], length: int, tasks: Sequence[str] | None,
+                n_boot: int) -> str:
+    """B - A for each B; with several Bs a summary table comes first, then each B's per-task table."""
+    if isinstance(paths_b, (str, Path)):
+        paths_b = [paths_b]
+    a = load_scores(path_a)
+    rows = [(Path(b).stem, paired_difference(a, load_scores(b), length, tasks, n_boot=n_boot)) for b in paths_b]
+    parts = [paired_markdown(r, Path(path_a).stem, name) for name, r in rows]
+    if len(rows) > 1:
+        parts.insert(0, paired_summary(rows, Path(path_a).stem))
+    return "\n".join(parts)
+
+
+def _prompt_identity(r: dict) -> tuple:
+    """What makes two records the same prompt: the generator's answers and the prompt's token count."""
+    return tuple(r.get("answers") or ()), r.get("num_tokens")
+
+
+def merge_predictions(run_dirs: Sequence[str | Path], out_dir: str | Path) -> dict[str, int]:
+    """Concatenate the scored predictions of several runs, method by method (file name), into `out_dir`.
+
+    A suite that does not fit one GPU-host call runs as several calls on the same seed, each covering some cells
+    and some methods; paired comparisons need them side by side. Each record gains `run` (its folder's name).
+    Refused (ValueError, nothing written): a prompt that one method scored in two runs, or two records of one
+    prompt key that are different prompts (answers or token count differ), which means the seeds or generator
+    differed and nothing is paired. Returns file name -> records written.
+    """
+    merged: dict[str, dict[Key, dict]] = {}
+    identity: dict[Key, tuple[tuple, str]] = {}
+    for run in map(Path, run_dirs):
+        preds = run / "preds" if (run / "preds").is_dir() else run
+        files = sorted(preds.glob("*.jsonl"))
+        if not files:
+            raise ValueError(f"{run}: no scored predictions (*.jsonl in it or in its preds/)")
+        for f in files:
+            seen = merged.setdefault(f.name, {})
+            for line in f.read_text().splitlines():
+                if not line.strip():
+                    continue
+                r = json.loads(line)
+                key: Key = (r["task"], int(r["length"]), int(r.get("seed", 0)), int(r["index"]))
+                if key in seen and seen[key]["run"] != run.name:
+                    raise ValueError(f"{f.name}: prompt {key} is scored in both {seen[key]['run']} and {run.name}")
+                ident = _prompt_identity(r)
+                if key in identity and identity[key][0] != ident:
+                    raise ValueError(f"prompt {key} differs between {identity[key][1]} and {run.name}/{f.name} "
+                                     f"(answers or token count): not the same prompts, nothing to pair")
+                identity.setdefault(key, (ident, f"{run.name}/{f.name}"))
+                r["run"] = run.name
+                seen[key] = r  # within one run the last record of a prompt stands, as in load_scores
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for name, records in merged.items():
+        (out / name).write_text("".join(json.dumps(r) + "\n" for r in records.values()))
+    return {name: len(records) for name, records in sorted(merged.items())}
