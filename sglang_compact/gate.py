@@ -27,9 +27,13 @@ break-even context of the cost model: per layer, the sparse path costs its
 search, its attention over the expected density of pages (on the kernel its
 rows run on, which may be slower than the dense pass's) and a fixed
 overhead, on the GPU and on the host (launches), against the dense
-attention it replaces; the smallest context from which it is predicted faster
-(by `margin`) for this model's heads and the server's chunk size is where the
-gate opens. The model's coefficients are measured per GPU by
+attention it replaces. A sparse pass is priced whole (`SparsePassLayers`): a
+first layer that reads every page on the dense kernel (passes that observe
+their density) and the `dense_layers`, which read every page through the
+rows, save nothing. The smallest context from which the pass is predicted
+faster (by `margin`) for this model's heads and the server's chunk size is
+where the gate opens; `dense_above` likewise prices the layers left after the
+observing layer, dense layers included. The model's coefficients are measured per GPU by
 `scripts/gpu/calibrate_gate.py` and shipped in `data/cost_model.json`.
 """
 
@@ -58,6 +62,36 @@ class ModelShape:
 
 
 @dataclass(frozen=True)
+class SparsePassLayers:
+    """How the layers of a sparse forward pass spend their time: `total` layers, of which the first
+    `dense_first` read every page on the dense kernel (1 when the pass observes its density at its second
+    layer, `OBSERVING_LAYER`), `read_all` read every page through the rows (`--compact-dense-layers`), and the
+    rest select."""
+
+    total: int
+    dense_first: int = 0
+    read_all: int = 0
+
+    def __post_init__(self):
+        if self.total < 1 or self.dense_first < 0 or self.read_all < 0 or self.dense_first + self.read_all > self.total:
+            raise ValueError(f"SparsePassLayers: {self.dense_first} dense-first and {self.read_all} read-all layers "
+                             f"do not fit {self.total} layers")
+
+    @property
+    def selecting(self) -> int:
+        return self.total - self.dense_first - self.read_all
+
+    @classmethod
+    def of(cls, config, num_layers: int, observes: bool) -> "SparsePassLayers":
+        """A server's sparse passes: `observes` when its rows are not fixed from the lengths alone and it reads
+        its density at the observing layer (the fallback, or a selector fixing its rows there)."""
+        from sglang_compact.config import OBSERVING_LAYER
+        first = 1 if observes and num_layers > OBSERVING_LAYER else 0
+        read_all = sum(1 for x in config.dense_layers if first <= x < num_layers)
+        return cls(num_layers, first, read_all)
+
+
+@dataclass(frozen=True)
 class CostModel:
     """Per-layer time model of one GPU, fitted from measurements (seconds, FLOP/s).
 
@@ -81,41 +115,68 @@ class CostModel:
 
     def layer_times(self, shape: ModelShape, context: int, chunk: int, density: float, kernel: str,
                     query_stride: int = 1, forced_pages: int = 0,
-                    rows_kernel: str | None = None) -> tuple[float, float]:
+                    rows_kernel: str | None = None, search: bool = True) -> tuple[float, float]:
         """(dense, sparse) seconds of one layer for a chunk of `chunk` tokens after `context` tokens; `kernel` runs
-        the dense attention, `rows_kernel` (default: the same) the sparse rows."""
+        the dense attention, `rows_kernel` (default: the same) the sparse rows; `search=False`: rows that read
+        without selecting (a read-all layer)."""
         H, D, P = shape.num_q_heads, shape.head_dim, shape.page_size
         attended = context + chunk / 2
         dense_gpu = 4.0 * chunk * attended * H * D / self.dense_flops[kernel]
         read = min(attended, density * attended + forced_pages * P)
-        search = 4.0 * (chunk / query_stride) * (attended / P) * H * D / self.search_flops
+        search = 4.0 * (chunk / query_stride) * (attended / P) * H * D / self.search_flops if search else 0.0
         rows = self.rows_flops[rows_kernel or kernel]
         sparse_gpu = 4.0 * chunk * read * H * D / rows + search + self.sparse_gpu_s
         return max(self.dense_host_s, dense_gpu), max(self.sparse_host_s, sparse_gpu)
 
+    def pass_times(self, shape: ModelShape, context: int, chunk: int, density: float, kernel: str,
+                   layers: SparsePassLayers, query_stride: int = 1, forced_pages: int = 0,
+                   rows_kernel: str | None = None) -> tuple[float, float]:
+        """(dense, sparse) seconds of one forward pass of `layers.total` layers (as `layer_times`): a sparse pass's
+        dense-first layers cost the dense layer, its read-all layers the rows over every page (no search)."""
+        dense, sparse = self.layer_times(shape, context, chunk, density, kernel, query_stride, forced_pages,
+                                         rows_kernel)
+        _, read_all = self.layer_times(shape, context, chunk, 1.0, kernel, query_stride, 0, rows_kernel,
+                                       search=False)
+        return (layers.total * dense,
+                layers.dense_first * dense + layers.read_all * read_all + layers.selecting * sparse)
+
     def break_even(self, shape: ModelShape, chunk: int, density: float, kernel: str, max_context: int,
-                   query_stride: int = 1, forced_pages: int = 0, rows_kernel: str | None = None) -> int | None:
+                   query_stride: int = 1, forced_pages: int = 0, rows_kernel: str | None = None,
+                   layers: SparsePassLayers | None = None) -> int | None:
         """Smallest context (a multiple of the page size) from which the sparse path is predicted faster by
         `margin` at every longer context up to `max_context`; None when it never is. `kernel`: the dense
-        attention's; `rows_kernel`: the sparse rows' (default: the same)."""
+        attention's; `rows_kernel`: the sparse rows' (default: the same); `layers`: price whole passes of
+        these layers (default: one selecting layer)."""
+        layers = layers or SparsePassLayers(1)
+        if not layers.selecting:
+            return None
         P = shape.page_size
         best = None
         for n in range(cdiv(max_context, P), 0, -1):
-            dense, sparse = self.layer_times(shape, n * P, chunk, density, kernel, query_stride, forced_pages,
-                                             rows_kernel)
+            dense, sparse = self.pass_times(shape, n * P, chunk, density, kernel, layers, query_stride, forced_pages,
+                                            rows_kernel)
             if sparse > (1 - self.margin) * dense:
                 break
             best = n * P
         return best
 
     def break_even_density(self, shape: ModelShape, dense_kernel: str, rows_kernel: str,
-                           query_stride: int = 1) -> float:
+                           query_stride: int = 1, layers: SparsePassLayers | None = None) -> float:
         """The density below which a window's sparse rows (search included, GPU time) are predicted faster than
         its dense attention by `margin`; per window both scale with its context, so one number serves every
-        context. 0.0 when the rows never pay."""
+        context. With `layers`, over the layers after the observing one (the decision is made there): its
+        read-all layers cost the rows over every page and save nothing. 0.0 when the rows never pay."""
         rows = self.rows_flops[rows_kernel]
+        dense = self.dense_flops[dense_kernel]
         search = rows / (query_stride * shape.page_size * self.search_flops) if self.search_flops else 0.0
-        return max(0.0, min(1.0, (1 - self.margin) * rows / self.dense_flops[dense_kernel] - search))
+        after = SparsePassLayers(1) if layers is None else layers
+        left = after.total - after.dense_first            # the layers the decision is about
+        selecting = left - after.read_all
+        if left <= 0 or selecting <= 0:
+            return 0.0
+        # in rows-kernel time per unit of work: selecting * (d + search) + read_all < (1 - margin) * left * rows / dense
+        budget = ((1 - self.margin) * left * rows / dense - after.read_all) / selecting
+        return max(0.0, min(1.0, budget - search))
 
 
 def load_cost_models() -> dict[str, CostModel]:
@@ -170,17 +231,27 @@ class Gate:
 
     @classmethod
     def for_server(cls, config, shape: ModelShape, chunk_size: int | None, device_name: str | None,
-                   kernel: str, max_context: int, rows_kernel: str | None = None) -> "Gate":
+                   kernel: str, max_context: int, rows_kernel: str | None = None,
+                   num_layers: int | None = None) -> "Gate":
         """The gate of a server: the flag, else the cost model of this GPU, else the fallback. `kernel`: the
-        dense passes' FlashInfer kernel; `rows_kernel`: the sparse rows' (default: the same)."""
+        dense passes' FlashInfer kernel; `rows_kernel`: the sparse rows' (default: the same); `num_layers`: the
+        model's (its sparse passes are priced whole, `SparsePassLayers`; None: one selecting layer)."""
         spec = config.spec
         window = config.window_tokens(chunk_size)
         model = cost_model_for(device_name)
         rk = rows_kernel or kernel
+        qs = getattr(config.params, "query_stride", 1)
+
+        def pass_layers(dense_above: float) -> SparsePassLayers | None:
+            if num_layers is None:
+                return None
+            observes = not spec.fixes_row_lengths and (dense_above < 1.0
+                                                        or spec.fixes_rows_at_observing_layer(config.params))
+            return SparsePassLayers.of(config, num_layers, observes)
+
         above, above_source = None, ""
         if config.dense_above is None and model is not None and config.selector != "dense":
-            qs = getattr(config.params, "query_stride", 1)
-            above = model.break_even_density(shape, kernel, rk, qs)
+            above = model.break_even_density(shape, kernel, rk, qs, pass_layers(0.0))
             above_source = f"cost model {model.gpu}: {kernel} dense vs {rk} rows"
 
         def gate(decision):
@@ -194,13 +265,16 @@ class Gate:
                                      f"{device_name or 'this device'}: min_context {FALLBACK_MIN_CONTEXT}"))
         density = spec.expected_density(config.params)
         chunk = chunk_size if chunk_size and chunk_size > 0 else 8192
-        qs = getattr(config.params, "query_stride", 1)
         forced = config.sink_blocks + config.recent_blocks + window // shape.page_size
+        layers = pass_layers(above if above is not None else
+                             (1.0 if config.dense_above is None else config.dense_above))
         # the rows' kernel, not the dense one: the default selector's rows run on fa2 where the dense pass runs fa3
-        be = model.break_even(shape, chunk, density, kernel, max_context, qs, forced, rk)
+        be = model.break_even(shape, chunk, density, kernel, max_context, qs, forced, rk, layers)
+        passes = "" if layers is None else (f", passes of {layers.total} layers ({layers.dense_first} dense first, "
+                                            f"{layers.read_all} read-all)")
         detail = (f"cost model {model.gpu} ({model.source}): heads {shape.num_q_heads}/{shape.num_kv_heads}, "
                   f"head_dim {shape.head_dim}, page {shape.page_size}, chunk {chunk}, expected density "
-                  f"{density:.2f}, {kernel} dense vs {rk} rows: ")
+                  f"{density:.2f}, {kernel} dense vs {rk} rows{passes}: ")
         if be is None:
             return gate(GateDecision(NEVER, "cost model", detail + f"never pays up to {max_context} tokens"))
         return gate(GateDecision(be, "cost model", detail + f"pays from {be} tokens of context"))

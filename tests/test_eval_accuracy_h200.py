@@ -53,6 +53,7 @@ def test_dry_run_prints_the_plan(acc, tmp_path, capsys):
     for c in compact:
         assert "--compact-min-context 512 --compact-sink-blocks 2 --compact-recent-blocks 4" in c
         assert "--compact-dense-tail 1024" in c
+        assert "--compact-recall-every 1" in c   # per-prompt mass recall beside the density
     assert sorted(int(c.split("--port ")[1].split()[0]) for c in cmds) == list(range(31000, 31007))
     assert "--compact-selector-params '{\"alpha\": 0.4}'" in out
     assert "--hf-worker" in out and "--dry-run --hf-worker" not in out
@@ -195,22 +196,25 @@ def test_schedule_does_not_start_a_cell_that_cannot_fit(acc):
 
 class FakeClient:
     """run_samples' client: right on every other prompt; each request adds three compact forward passes of
-    density 0.25 to the /metrics counters."""
+    density 0.25 to the /metrics counters, and (`recall`) one measured pass of mass recall 0.9."""
 
-    def __init__(self):
+    def __init__(self, recall: bool = False):
         self.sum = self.count = 0.0
+        self.recall = (0.0, 0.0) if recall else None
         self.requests = 0
 
     def flush_cache(self):
         pass
 
-    def density_counters(self):
-        return (self.sum, self.count)
+    def compact_counters(self):
+        return {"density": (self.sum, self.count), "recall": self.recall}
 
     def generate(self, input_ids, max_new_tokens):
         self.requests += 1
         self.sum += 3 * 0.25
         self.count += 3
+        if self.recall is not None:
+            self.recall = (self.recall[0] + 0.9, self.recall[1] + 1)
         return {"text": " 1234567." if self.requests % 2 else " no", "meta_info": {"prompt_tokens": len(input_ids)}}
 
 
@@ -230,7 +234,10 @@ def test_rows_from_a_fake_server(acc, tmp_path):
     writer = acc.row_writer(runs, results, "smollm2-135m-instruct", "h200", written, log=lambda m: None)
     cell = (2048, "niah_single_number")
     samples = [_sample(cell[1], cell[0], i) for i in range(4)]
-    recs = {r.label: acc.ServerWorker(r.label, FakeClient()).run_cell(samples, lambda: False) for r in (run, dense)}
+    recs = {r.label: acc.ServerWorker(r.label, FakeClient(recall=r is run)).run_cell(samples, lambda: False)
+            for r in (run, dense)}
+    assert all(x["server_recall"] == pytest.approx(0.9) for x in recs[run.label])   # one measured pass per prompt
+    assert not any("server_recall" in x for x in recs[dense.label])
     writer(cell, recs)
     rows = json.loads(results.read_text())
     assert len(rows) == 3 and rows[1:] == written
@@ -246,6 +253,7 @@ def test_rows_from_a_fake_server(acc, tmp_path):
     assert c["params"] == {"alpha": 0.2, "chunk": 256, "page_size": 32, "min_context": 512, "sink_blocks": 2,
                            "recent_blocks": 4, "dense_tail": 1024}
     assert c["density"] == 0.25 and c["density_source"] == SERVER_DENSITY_SOURCE
+    assert c["recall"] == pytest.approx(0.9) and "recall" not in d
     assert d["density"] is None and d["density_source"] is None and d["params"]["backend"] == "flashinfer"
     # HF rows: density from each record's own `density`
     hrecs = [{**s.as_dict(), "score": 1.0, "all_found": True, "seconds": 2.0, "density": 0.2 + 0.1 * i}

@@ -111,6 +111,15 @@ def test_density_from_metrics_text():
     assert density_between((0.9, 1.0), c) == pytest.approx(0.9)
     assert density_between(c, c) is None and density_between(None, None) is None
     assert parse_density_counters("sglang:other 1") is None
+    from harness.eval.client import parse_histogram_counters
+    recall = "\n".join([
+        'sglang:compact_recall_forward_bucket{le="0.9",model_name="m",tp_rank="0"} 1.0',
+        'sglang:compact_recall_forward_sum{model_name="m",tp_rank="0"} 1.7',
+        'sglang:compact_recall_forward_count{model_name="m",tp_rank="0"} 2.0',
+        'sglang:compact_recall{model_name="m",tp_rank="0"} 0.8',
+    ])
+    assert parse_histogram_counters(text + "\n" + recall, "sglang:compact_recall_forward") == (1.7, 2.0)
+    assert parse_histogram_counters(text, "sglang:compact_recall_forward") is None
 
 
 def _files(root: Path) -> set[Path]:

@@ -168,3 +168,64 @@ def test_dense_above_sources_and_the_windows_it_turns_dense():
     assert dens == pytest.approx([35 / 80, 93.5 / 96, 1.0])
     assert flag.dense_windows(qb, dens) == [1]
     assert qb.with_dense([1]).w_sparse == (True, False, False) and qb.with_dense([]) is qb
+
+
+def test_a_sparse_pass_is_priced_whole():
+    """Layers that read every page save nothing: a first layer on the dense kernel (passes that observe their
+    density) opens the gate later, and read-all layers (`dense_layers`) lower the density that still pays."""
+    from sglang_compact.gate import SparsePassLayers
+
+    m = model()
+    one = m.break_even(SHAPE_8B, 1024, 0.3, "fa3", 131072)
+    assert m.break_even(SHAPE_8B, 1024, 0.3, "fa3", 131072, layers=SparsePassLayers(32)) == one
+    observing = m.break_even(SHAPE_8B, 1024, 0.3, "fa3", 131072, layers=SparsePassLayers(4, dense_first=1))
+    assert observing > one    # 4 layers: the first's share is large enough to move the break-even by pages
+    dense, sparse = m.pass_times(SHAPE_8B, observing, 1024, 0.3, "fa3", SparsePassLayers(4, 1))
+    d1, s1 = m.layer_times(SHAPE_8B, observing, 1024, 0.3, "fa3")
+    assert dense == pytest.approx(4 * d1) and sparse == pytest.approx(d1 + 3 * s1) and sparse <= 0.9 * dense
+    dense, sparse = m.pass_times(SHAPE_8B, observing - 64, 1024, 0.3, "fa3", SparsePassLayers(4, 1))
+    assert sparse > 0.9 * dense
+    # a read-all layer is the rows over every page, without the search
+    _, s2 = m.pass_times(SHAPE_8B, 65536, 1024, 0.3, "fa3", SparsePassLayers(4, 0, 1), rows_kernel="fa2")
+    rows_all = 4.0 * 1024 * (65536 + 512) * 32 * 128 / 330e12 + 20e-6
+    assert s2 == pytest.approx(3 * m.layer_times(SHAPE_8B, 65536, 1024, 0.3, "fa3", rows_kernel="fa2")[1] + rows_all)
+    assert m.break_even(SHAPE_8B, 1024, 0.3, "fa3", 131072, layers=SparsePassLayers(2, 1, 1)) is None  # none select
+
+    # the density decided at the observing layer prices the layers after it: per unit of work, with r the rows'
+    # and D the dense kernel's throughput, s the search, 3 read-all of 31 layers left:
+    # 28 (d + s) + 3 < 0.9 * 31 * r / D
+    d = m.break_even_density(SHAPE_8B, "fa3", "fa2", layers=SparsePassLayers(32, 1, 3))
+    s = 330 / (64 * 100)
+    assert d == pytest.approx((0.9 * 31 * 330 / 500 - 3) / 28 - s)
+    assert d < m.break_even_density(SHAPE_8B, "fa3", "fa2")
+    assert m.break_even_density(SHAPE_8B, "fa3", "fa2", layers=SparsePassLayers(32, 1)) == \
+        pytest.approx(m.break_even_density(SHAPE_8B, "fa3", "fa2"))     # the first layer is spent at the decision
+    with pytest.raises(ValueError, match="do not fit"):
+        SparsePassLayers(4, 1, 4)
+
+
+def test_the_server_gate_prices_its_own_passes():
+    """`Gate.for_server(num_layers=...)`: a selector that observes at the second layer pays its first layer
+    dense; one whose rows are fixed from the lengths (`budget`) selects in every layer; dense layers count."""
+    from unittest import mock
+
+    from sglang_compact.gate import SparsePassLayers
+
+    m = model()
+    fix = CompactConfig(block_size=64, selector_params={"fix_rows": True})
+    budget = CompactConfig(block_size=64, selector="budget")
+    assert SparsePassLayers.of(fix, 32, observes=True) == SparsePassLayers(32, 1, 0)
+    assert SparsePassLayers.of(fix.replace(dense_layers=(5, 6, 40)), 32, observes=True) == SparsePassLayers(32, 1, 2)
+    with mock.patch("sglang_compact.gate.cost_model_for", return_value=m):
+        per_layer = Gate.for_server(fix, SHAPE_8B, 1024, "test", "fa3", 131072, "fa3").decision
+        whole = Gate.for_server(fix, SHAPE_8B, 1024, "test", "fa3", 131072, "fa3", num_layers=4).decision
+        b1 = Gate.for_server(budget, SHAPE_8B, 1024, "test", "fa3", 131072, "fa3").decision
+        b32 = Gate.for_server(budget, SHAPE_8B, 1024, "test", "fa3", 131072, "fa3", num_layers=32).decision
+        plain = Gate.for_server(fix.replace(selector_params={}), SHAPE_8B, 1024, "test", "fa3", 131072, "fa2",
+                                num_layers=32)
+        dl = Gate.for_server(fix.replace(selector_params={}, dense_layers=(20, 21, 22)), SHAPE_8B, 1024, "test",
+                             "fa3", 131072, "fa2", num_layers=32)
+    assert whole.min_context > per_layer.min_context
+    assert "passes of 4 layers (1 dense first, 0 read-all)" in whole.detail
+    assert b32.min_context == b1.min_context and "(0 dense first, 0 read-all)" in b32.detail
+    assert dl.dense_above < plain.dense_above

@@ -171,6 +171,9 @@ def test_metrics_in_multiprocess_mode(tmp_path):
     assert samples[("sglang:compact_density_forward_count", ())] == 2
     assert samples[("sglang:compact_recall", ())] == pytest.approx(0.875)
     assert samples[("sglang:compact_recall_min", ())] == pytest.approx(0.8)
+    # the flush at the second begin_forward and the last one: two measured passes of mean 0.875 each
+    assert samples[("sglang:compact_recall_forward_count", ())] == 2
+    assert samples[("sglang:compact_recall_forward_sum", ())] == pytest.approx(1.75)
     assert list(tmp_path.glob("*.db"))  # really the multiprocess files
 
 
@@ -227,6 +230,9 @@ def test_metrics_endpoint_of_a_compact_server():
     # every sparse pass measured one layer's mass recall (the share of attention its capped selection reads)
     recall, recall_min = samples[("sglang:compact_recall", ())], samples[("sglang:compact_recall_min", ())]
     assert 0 < recall_min <= recall + 1e-6 and recall <= 1 + 1e-5, (recall_min, recall)  # float32 sums
+    # ... each observed by the histogram the accuracy harness averages per prompt
+    assert samples[("sglang:compact_recall_forward_count", ())] == passes
+    assert 0 < samples[("sglang:compact_recall_forward_sum", ())] <= passes * (1 + 1e-5)
 
 
 @pytest.mark.server

@@ -44,32 +44,45 @@ class Client:
         `/metrics`, served with `--enable-metrics`: pages the sparse windows read over their context pages (those
         that turned dense by their observed density reading every page), one observation per sparse forward
         pass); None when the server does not expose it."""
+        return self.compact_counters()["density"]
+
+    def compact_counters(self) -> dict[str, tuple[float, float] | None]:
+        """From one `/metrics` read: `density` (as `density_counters`) and `recall`, (sum, count) of
+        `sglang:compact_recall_forward` (one observation per pass that measured its selection's mass recall,
+        `--compact-recall-every`); None where the server exposes none."""
         try:
             text = self.metrics_text()
         except (urllib.error.URLError, OSError):
-            return None
-        return parse_density_counters(text) if text else None
+            text = ""
+        return {"density": parse_density_counters(text) if text else None,
+                "recall": parse_histogram_counters(text, "sglang:compact_recall_forward") if text else None}
 
 
 def parse_density_counters(text: str) -> tuple[float, float] | None:
     """(sum, count) of `sglang:compact_density_forward` over its series. Servers from before the per-window
     design labelled it by `stage`: only their `stage="after_group"` series (post-union density) is read."""
+    return parse_histogram_counters(text, "sglang:compact_density_forward")
+
+
+def parse_histogram_counters(text: str, name: str) -> tuple[float, float] | None:
+    """(sum, count) of the Prometheus histogram `name` over its series (a `stage` label other than
+    `after_group` excluded); None when the page has none."""
     total = count = None
     for line in text.splitlines():
-        if not line.startswith("sglang:compact_density_forward_"):
+        if not line.startswith(name + "_"):
             continue
         if "stage=" in line and 'stage="after_group"' not in line:
             continue
-        name, value = line.split("{", 1)[0].split(" ", 1)[0], float(line.rsplit(" ", 1)[1])
-        if name.endswith("_sum"):
+        sample, value = line.split("{", 1)[0].split(" ", 1)[0], float(line.rsplit(" ", 1)[1])
+        if sample == name + "_sum":
             total = (total or 0.0) + value
-        elif name.endswith("_count"):
+        elif sample == name + "_count":
             count = (count or 0.0) + value
     return None if total is None or count is None else (total, count)
 
 
 def density_between(before: tuple[float, float] | None, after: tuple[float, float] | None) -> float | None:
-    """Mean density of the sparse forward passes between two `density_counters` snapshots."""
+    """Mean density (or recall) of the forward passes observed between two (sum, count) snapshots."""
     if after is None:
         return None
     b = before or (0.0, 0.0)

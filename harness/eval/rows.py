@@ -48,6 +48,9 @@ def accuracy_rows(recs: list[dict[str, Any]], *, model: str, method: str, params
                 "seconds_per_sample": round(sum(r["seconds"] for r in rs) / len(rs), 2),
                 "mean_prompt_tokens": round(sum(r["num_tokens"] for r in rs) / len(rs), 1),
             })
+            recalls = [r["server_recall"] for r in rs if r.get("server_recall") is not None]
+            if recalls:   # servers run with --compact-recall-every: the mass their selections read
+                rows[-1]["recall"] = round(sum(recalls) / len(recalls), 4)
             if (t, L) in offline_densities:
                 rows[-1]["density_offline"] = round(offline_densities[(t, L)], 4)
     return rows

@@ -14,7 +14,8 @@ from harness.eval.tasks import Sample, load_tokenizer
 
 def run_samples(client: Client, samples: list[Sample], desc: str, flush: bool = True,
                 log_file=None, progress: bool = True, stop=None) -> list[dict[str, Any]]:
-    """Greedy generation for every sample; each record has `server_density` (None when not exposed).
+    """Greedy generation for every sample; each record has `server_density` (None when not exposed) and, from
+    servers measuring it (`--compact-recall-every`), `server_recall`: the mean mass recall of its measured passes.
 
     `stop`: a callable checked before each sample; when it returns True the records so far are returned
     (fewer than `samples`)."""
@@ -26,16 +27,20 @@ def run_samples(client: Client, samples: list[Sample], desc: str, flush: bool = 
                 break
             if flush:
                 client.flush_cache()  # independent samples: chunks start at 0 as in the offline replay
-            before = client.density_counters()
+            before = client.compact_counters()
             t0 = time.monotonic()
             r = client.generate(s.input_ids, s.max_new_tokens)
             dt = time.monotonic() - t0
-            server_density = density_between(before, client.density_counters())
+            after = client.compact_counters()
+            server_density = density_between(before["density"], after["density"])
             pred = r.get("text", "")
             rec = {**s.as_dict(), "pred": pred, "score": s.score(pred), "all_found": s.all_found(pred),
                    "seconds": round(dt, 3), "prompt_tokens": r.get("meta_info", {}).get("prompt_tokens"),
                    "completion_tokens": r.get("meta_info", {}).get("completion_tokens"),
                    "server_density": server_density}
+            recall = density_between(before["recall"], after["recall"])
+            if recall is not None:
+                rec["server_recall"] = recall
             _keep(out, rec, log_file, bar, s, dt)
     finally:
         bar.close()

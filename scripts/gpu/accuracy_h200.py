@@ -144,6 +144,8 @@ def server_run(spec: str, a) -> MethodRun:
                                            min_context=a.min_prefix_len, sink_blocks=a.sink_blocks,
                                            recent_blocks=a.recent_blocks)
     extra = compact_server_args(m.selector, sel_params, a.min_prefix_len, a.sink_blocks, a.recent_blocks)
+    if getattr(a, "recall_every", 0) and m.selector != "dense":
+        extra += ["--compact-recall-every", str(a.recall_every)]   # per-prompt `server_recall` in the records
     return MethodRun(spec, "server", method, params, density_key="server_density",
                      density_source=SERVER_DENSITY_SOURCE, dense_selector=m.selector == "dense",
                      module="sglang_compact.launch_server", extra_args=[*extra, *common, *a.compact_arg, *a.server_arg])
@@ -471,6 +473,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--min-prefix-len", type=int, default=512,
                    help="min_context of every method: windows with less context read every page "
                         "(--compact-min-context; default %(default)s)")
+    p.add_argument("--recall-every", type=int, default=1, metavar="N",
+                   help="compact servers measure their selection's mass recall every N-th sparse pass (one layer in "
+                        "turn; records get `server_recall`, rows `recall`); 0: off (default: %(default)s)")
     p.add_argument("--sink-blocks", type=int, default=2)
     p.add_argument("--recent-blocks", type=int, default=4)
     p.add_argument("--mem-fraction-static", type=float, default=0.3,

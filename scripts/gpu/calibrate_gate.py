@@ -44,9 +44,10 @@ from sglang_compact.compact import CompactAttention  # noqa: E402
 from sglang_compact.config import CompactConfig  # noqa: E402
 from sglang_compact.executors import ForwardShape  # noqa: E402
 from sglang_compact.executors.flashinfer_executor import make_flashinfer_executor  # noqa: E402
-from sglang_compact.gate import CostModel, ModelShape, cost_model_json, load_cost_models  # noqa: E402
+from sglang_compact.gate import CostModel, ModelShape, SparsePassLayers, cost_model_json, load_cost_models  # noqa: E402
 
 SHAPES = {"llama-8b": (ModelShape(32, 8, 128, 64)), "qwen-0.5b": (ModelShape(14, 2, 64, 32))}
+NUM_LAYERS = {"llama-8b": 32, "qwen-0.5b": 24}
 
 
 def cuda_ms(fn, reps: int) -> float:
@@ -189,6 +190,11 @@ def main() -> int:
                 for rows in ("fa2", "fa3"):
                     be = model.break_even(shape, chunk, d, "fa3", 131072, rows_kernel=rows)
                     print(f"break-even {name} chunk {chunk} density {d}, fa3 dense vs {rows} rows: {be}")
+            # what a server's gate decides: whole passes, the first layer dense where the pass observes its density
+            be = model.break_even(shape, chunk, 0.5, "fa3", 131072, rows_kernel="fa3",
+                                  layers=SparsePassLayers(NUM_LAYERS[name], dense_first=1))
+            print(f"break-even {name} chunk {chunk} density 0.5, fa3 dense vs fa3 rows, passes of "
+                  f"{NUM_LAYERS[name]} layers observing at the second (flashprefill fix_rows): {be}")
         for dense, rows in (("fa3", "fa2"), ("fa3", "fa3"), ("fa2", "fa2")):
             print(f"break-even density {name}, {dense} dense vs {rows} rows: "
                   f"{model.break_even_density(shape, dense, rows):.3f}")

@@ -84,7 +84,7 @@ def add_compact_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--compact-dense-layers", type=_layer_ids, default=(), metavar="IDS",
                    help="model layers that read every page in a sparse forward pass, e.g. '21-23' (default: none): "
                         "where the selection loses attention mass (measure with scripts/eval_longctx.py fidelity); "
-                        "the gate does not price them")
+                        "the gate prices them as reading every page")
     g.add_argument("--compact-density-cap", type=float, default=None,
                    help="upper bound on each row's density, in (0, 1]")
     g.add_argument("--compact-prefill-kernel", default=d.prefill_kernel, choices=PREFILL_KERNELS,

@@ -119,7 +119,8 @@ class CompactRuntime:
         rows_kernel = "fa3" if kernel == "fa3" or (kernel == "fa3-auto" and fixed) else "fa2"
         check_dense_layers(config, view, planned_once=rows_kernel == "fa3" and fixed)
         gate = Gate.for_server(config, shape, view.chunked_prefill_size, device_name,
-                               "fa3" if kernel.startswith("fa3") else "fa2", view.context_len, rows_kernel)
+                               "fa3" if kernel.startswith("fa3") else "fa2", view.context_len, rows_kernel,
+                               num_layers=view.num_layers)
         summaries = None
         if compact.uses_summaries and not gate.decision.never:
             summaries = PageSummaries(view.num_layers, view.num_pages, view.num_kv_heads, view.head_dim, view.device)

@@ -36,6 +36,8 @@ Series (labels: SGLang's `model_name`, `tp_rank`, plus those below):
                                             sparse windows of the attention mass their selection reads (one
                                             layer, one kv head, each window's last query; 1.0: nothing missed)
   sglang:compact_recall_min                 gauge, the same pass's lowest window
+  sglang:compact_recall_forward             histogram, every measured pass's mean recall (its _sum / _count
+                                            between two scrapes: the mean recall of the requests in between)
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ import torch
 logger = logging.getLogger("sglang_compact.telemetry")
 
 DENSITY_BUCKETS = (0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
+RECALL_BUCKETS = (0.5, 0.7, 0.8, 0.9, 0.95, 0.98, 0.99, 1.0)
 PATHS = ("sparse", "dense_context", "dense_tail", "dense", "dense_density")
 
 
@@ -77,6 +80,9 @@ class CompactMetrics:
                        multiprocess_mode="mostrecent", **kw)
         recall_min = Gauge("sglang:compact_recall_min", "Attention mass the selection reads (lowest window of the "
                            "latest measured pass).", labelnames=names, multiprocess_mode="mostrecent", **kw)
+        recall_forward = Histogram("sglang:compact_recall_forward", "Attention mass the selection reads (mean over "
+                                   "the sparse windows of each measured pass).", labelnames=names,
+                                   buckets=RECALL_BUCKETS, **kw)
         gate = Gauge("sglang:compact_gate_min_context", "Context (tokens) from which q-blocks read a selection; "
                      "-1: never.", labelnames=names, multiprocess_mode="mostrecent", **kw)
         above = Gauge("sglang:compact_gate_dense_above", "Density (at the pass's observing layer) above which a sparse "
@@ -90,6 +96,7 @@ class CompactMetrics:
         self._tokens = tokens.labels(**self.labels)
         self._recall = recall.labels(**self.labels)
         self._recall_min = recall_min.labels(**self.labels)
+        self._recall_forward = recall_forward.labels(**self.labels)
         gate.labels(**self.labels).set(-1 if min_context is None else min_context)
         above.labels(**self.labels).set(dense_above)
 
@@ -110,6 +117,7 @@ class CompactMetrics:
         if summary["recall"] is not None:
             self._recall.set(summary["recall"])
             self._recall_min.set(summary["recall_min"])
+            self._recall_forward.observe(summary["recall"])
 
 
 def metrics_for(enable_metrics: bool, labels: dict, num_layers: int, min_context: int | None,
