@@ -179,7 +179,7 @@ def build_parser(defaults: Mapping[str, Any] | None = None) -> argparse.Argument
     pr.set_defaults(func=cmd_paired)
     mg = sub.add_parser("merge", help="one JSONL per method from several runs' scored predictions (same seed)")
     mg.add_argument("out", help="folder for the merged files")
-    mg.add_argument("runs", nargs="+", help="run folders (their preds/ or the JSONL files themselves)")
+    mg.add_argument("runs", nargs="+", help="run folders (each holding preds/*.jsonl, or the *.jsonl directly)")
     mg.set_defaults(func=cmd_merge)
     return ap
 
