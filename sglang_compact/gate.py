@@ -34,7 +34,10 @@ rows, save nothing. The smallest context from which the pass is predicted
 faster (by `margin`) for this model's heads and the server's chunk size is
 where the gate opens; `dense_above` likewise prices the layers left after the
 observing layer, dense layers included. The model's coefficients are measured per GPU by
-`scripts/gpu/calibrate_gate.py` and shipped in `data/cost_model.json`.
+`scripts/gpu/calibrate_gate.py` and shipped in `data/cost_model.json`. A
+selector whose search nothing calibrated prices (`SelectorSpec.priced_search`
+false: `mass_budget`, `xattention`, `oracle`) gets the fixed fallback context
+and no observed-density fallback.
 """
 
 from __future__ import annotations
@@ -242,16 +245,18 @@ class Gate:
         rk = rows_kernel or kernel
         qs = getattr(config.params, "query_stride", 1)
 
-        def pass_layers(dense_above: float) -> SparsePassLayers | None:
+        def pass_layers(falls_back: bool) -> SparsePassLayers | None:
+            """A sparse pass's layers; `falls_back`: the observed-density fallback is on (dense_above < 1), so
+            the pass's first layer reads every page to observe the density."""
             if num_layers is None:
                 return None
-            observes = not spec.fixes_row_lengths and (dense_above < 1.0
-                                                        or spec.fixes_rows_at_observing_layer(config.params))
+            observes = not spec.fixes_row_lengths and (falls_back or spec.fixes_rows_at_observing_layer(config.params))
             return SparsePassLayers.of(config, num_layers, observes)
 
         above, above_source = None, ""
-        if config.dense_above is None and model is not None and config.selector != "dense":
-            above = model.break_even_density(shape, kernel, rk, qs, pass_layers(0.0))
+        if config.dense_above is None and model is not None and config.selector != "dense" and spec.priced_search:
+            # the break-even density is what a pass that observes its density (the fallback on) must stay below
+            above = model.break_even_density(shape, kernel, rk, qs, pass_layers(True))
             above_source = f"cost model {model.gpu}: {kernel} dense vs {rk} rows"
 
         def gate(decision):
@@ -263,11 +268,15 @@ class Gate:
         if model is None:
             return gate(GateDecision(FALLBACK_MIN_CONTEXT, "fallback", f"no cost model for "
                                      f"{device_name or 'this device'}: min_context {FALLBACK_MIN_CONTEXT}"))
+        if not spec.priced_search:
+            return gate(GateDecision(FALLBACK_MIN_CONTEXT, "fallback", f"the cost model does not price selector "
+                                     f"{config.selector!r}'s search: min_context {FALLBACK_MIN_CONTEXT} "
+                                     "(--compact-min-context sets another)"))
         density = spec.expected_density(config.params)
         chunk = chunk_size if chunk_size and chunk_size > 0 else 8192
         forced = config.sink_blocks + config.recent_blocks + window // shape.page_size
-        layers = pass_layers(above if above is not None else
-                             (1.0 if config.dense_above is None else config.dense_above))
+        dense_above = above if above is not None else (1.0 if config.dense_above is None else config.dense_above)
+        layers = pass_layers(dense_above < 1.0)
         # the rows' kernel, not the dense one: the default selector's rows run on fa2 where the dense pass runs fa3
         be = model.break_even(shape, chunk, density, kernel, max_context, qs, forced, rk, layers)
         passes = "" if layers is None else (f", passes of {layers.total} layers ({layers.dense_first} dense first, "

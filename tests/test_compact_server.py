@@ -4,7 +4,7 @@ Real scheduler, radix cache, chunked prefill and a paged head-major pool
 (page 16, chunks of 128 tokens, so a 1-2K-token prompt spans 8-16 chunks),
 on SmolLM2-135M-Instruct's real weights in float32:
 
-1. selector `dense` (the stock path) and `budget` at density 1.0 (every q-block
+1. selector `dense` (the stock path), `budget` and `mass_budget` at density 1.0 (every q-block
    through the sparse machinery: search, union, paged indices, rows) give greedy
    tokens equal to SGLang's `torch_native` backend on 6 prompts (up to near ties);
 2. selector `flashprefill` serves a long prompt; the same prompt after a cache hit
@@ -61,7 +61,9 @@ def server(model_dir, backend_args, **kw):
 @pytest.mark.parametrize("selector_args", [
     ["--compact-selector", "dense"],
     ["--compact-selector", "budget", "--compact-density", "1.0", "--compact-min-context", "0"],
-], ids=["dense", "budget-1.0"])
+    ["--compact-selector", "mass_budget", "--compact-selector-params", '{"density": 1.0}',
+     "--compact-min-context", "0"],
+], ids=["dense", "budget-1.0", "mass_budget-1.0"])
 def test_dense_reads_match_torch_native(model_dir, selector_args):
     ps = prompts()
     with server(model_dir, ["--attention-backend", "torch_native"]) as ref_srv:
@@ -72,7 +74,7 @@ def test_dense_reads_match_torch_native(model_dir, selector_args):
         metrics = srv.get_text("/metrics")
     assert f"selector={selector_args[1]!r}" in log  # the launcher's config reached the scheduler
     sparse = metric_value(metrics, "sglang:compact_qblocks_total", 'path="sparse"')
-    assert (sparse > 0) == (selector_args[1] == "budget")
+    assert (sparse > 0) == (selector_args[1] != "dense")
     assert_same_tokens(want, got, selector_args[1])
 
 

@@ -89,7 +89,7 @@ def test_fidelity_on_smollm2(model_dir):
 
 
 def test_density_from_metrics_text():
-    from harness.eval.client import density_between, parse_density_counters
+    from harness.eval.client import mean_between, parse_density_counters
     text = "\n".join([
         "# TYPE sglang:compact_density_forward histogram",
         'sglang:compact_density_forward_bucket{le="0.5",model_name="m",tp_rank="0"} 1.0',
@@ -108,8 +108,8 @@ def test_density_from_metrics_text():
         'sglang:compact_density_forward_count{model_name="m",stage="selected",tp_rank="0"} 5.0',
     ])
     assert parse_density_counters(legacy) == (4.5, 5.0)
-    assert density_between((0.9, 1.0), c) == pytest.approx(0.9)
-    assert density_between(c, c) is None and density_between(None, None) is None
+    assert mean_between((0.9, 1.0), c) == pytest.approx(0.9)
+    assert mean_between(c, c) is None and mean_between(None, None) is None
     assert parse_density_counters("sglang:other 1") is None
     from harness.eval.client import parse_histogram_counters
     recall = "\n".join([

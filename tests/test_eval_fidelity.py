@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -164,6 +165,27 @@ def test_offline_density_and_parse(tiny):
         F.parse_method("blocksparse:flashprefill:dense_above=1")
     with pytest.raises(ValueError, match="must be a number or true/false"):
         F.parse_method("compact:flashprefill:alpha=high")
+
+
+def test_density_cap_is_a_server_param_and_the_replay_caps_the_oracle(tiny):
+    from harness.eval.methods import compact_server_args
+    m = F.parse_method("compact:oracle:top_p=1,density_cap=0.35,dense_above=1")
+    assert m.density_cap == 0.35 and m.selector_params == {"top_p": 1}
+    args = compact_server_args(m.selector, dict(m.params), 64, 1, 1)
+    assert args[args.index("--compact-density-cap") + 1] == "0.35"
+    assert json.loads(args[args.index("--compact-selector-params") + 1]) == {"top_p": 1}
+    assert m.config(PAGE, 1, 1, CHUNK).density_cap == 0.35
+    assert F.parse_method("compact:oracle").density_cap is None
+    with pytest.raises(ValueError, match=r"density_cap must be a density in \(0, 1\]"):
+        F.parse_method("compact:oracle:density_cap=0")
+    with pytest.raises(ValueError, match="budget"):   # the config's own rule: the dense selector takes no cap
+        F.parse_method("compact:dense:density_cap=0.5")
+    # the replay runs the cap: every candidate page by exact mass (top_p 1), then the best 30% per row
+    model, ids = tiny
+    kw = dict(chunk=CHUNK, page_size=PAGE, min_context=CHUNK, sink_blocks=1, recent_blocks=1)
+    full = F.offline_density(model, ids, "compact:oracle:top_p=1,dense_tail=0", **kw)
+    capped = F.offline_density(model, ids, "compact:oracle:top_p=1,density_cap=0.3,dense_tail=0", **kw)
+    assert full == pytest.approx(1.0) and capped < 0.8
 
 
 def test_hf_chunked_generation(tiny):

@@ -229,3 +229,21 @@ def test_the_server_gate_prices_its_own_passes():
     assert "passes of 4 layers (1 dense first, 0 read-all)" in whole.detail
     assert b32.min_context == b1.min_context and "(0 dense first, 0 read-all)" in b32.detail
     assert dl.dense_above < plain.dense_above
+
+
+@pytest.mark.parametrize("selector", ["mass_budget", "xattention", "oracle"])
+def test_a_search_the_cost_model_does_not_price_gets_the_fallback_context(selector):
+    """The shipped model prices the FlashPrefill mean-key search only: a selector that reads the keys
+    themselves is not predicted to pay anywhere; it opens at the fixed fallback context (or the flag) and has
+    no observed-density fallback."""
+    shipped = sorted(load_cost_models())[0]
+    cfg = CompactConfig(block_size=64, selector=selector)
+    g = Gate.for_server(cfg, SHAPE_8B, 1024, shipped, "fa3", 131072)
+    assert g.decision.min_context == FALLBACK_MIN_CONTEXT and g.decision.source == "fallback"
+    assert "does not price" in g.decision.detail and selector in g.decision.detail
+    assert g.dense_above == 1.0 and not g.observes_density
+    flagged = Gate.for_server(cfg.replace(min_context=20000), SHAPE_8B, 1024, shipped, "fa3", 131072)
+    assert flagged.decision.min_context == 20000 and flagged.decision.source == "flag"
+    # the priced selectors keep the cost model
+    assert Gate.for_server(cfg.replace(selector="budget"), SHAPE_8B, 1024, shipped, "fa3", 131072) \
+        .decision.source == "cost model"

@@ -254,12 +254,14 @@ def test_fa2_planned_once_serves_every_layer(hq, hkv, d, selector):
 
 
 @pytest.mark.parametrize("hq,hkv,d", [(16, 4, 128), (9, 3, 64)])
-@pytest.mark.parametrize("density,cap", [(0.3, None), (0.1, None), (0.5, 0.25), (1.0, None)])
-def test_fa3_planned_once_serves_every_layer(hq, hkv, d, density, cap):
+@pytest.mark.parametrize("selector,density,cap", [("budget", 0.3, None), ("budget", 0.1, None), ("budget", 0.5, 0.25),
+                                                  ("budget", 1.0, None), ("mass_budget", 0.33, None),
+                                                  ("mass_budget", 0.5, 0.25)])
+def test_fa3_planned_once_serves_every_layer(hq, hkv, d, selector, density, cap):
     """fa3 planned once from `row_pages`; layers with different data then equal the reference and, bit for
     bit, fa3 planned per layer from host copies of the lengths."""
     prefix, chunk = [30000 + 7, 12345, 4100], [1024, 517, 64]
-    cfg = CompactConfig(block_size=P, selector="budget", selector_params={"density": density}, density_cap=cap)
+    cfg = CompactConfig(block_size=P, selector=selector, selector_params={"density": density}, density_cap=cap)
     ranges = [(0, 1 << 40), (0, 1 << 40), (0, 0)]   # the third request's windows read everything
     layers = layers_of_one_pass(prefix, chunk, hq, hkv, d, [40, 41, 42], sparse_ranges=ranges)
     rows = CompactAttention(cfg).row_pages(layers[0])
@@ -274,7 +276,7 @@ def test_fa3_planned_once_serves_every_layer(hq, hkv, d, density, cap):
         assert sel.counts.tolist() == rows
         fresh, _ = run_layer(b, cfg, per_layer, layer=i, plan=False)
         err = rel_err(out, reference_attention(b, sel.table))
-        print(f"fa3 once heads={hq}/{hkv} d={d} density={density} cap={cap} layer {i}: rel_err={err:.2e} "
+        print(f"fa3 once {selector} heads={hq}/{hkv} d={d} density={density} cap={cap} layer {i}: rel_err={err:.2e} "
               f"== per-layer plan: {torch.equal(out, fresh)}")
         assert err <= 1e-2
         assert torch.equal(out, fresh)
@@ -349,7 +351,7 @@ def test_torch_executor_on_gpu_matches_reference():
     torch.testing.assert_close(ex.run(b, sel.indices), reference_attention(b, sel.table), rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("selector", ["flashprefill", "budget", "dense", "xattention"])
+@pytest.mark.parametrize("selector", ["flashprefill", "budget", "dense", "xattention", "mass_budget"])
 def test_selecting_pages_never_syncs(selector):
     b = gpu_batch([65536 + 11, 30000], [1024, 1024], 32, 8, 128, seed=11)
     ex = executor(b)

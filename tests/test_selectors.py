@@ -12,7 +12,7 @@ from sglang_compact.selectors.xattention import antidiagonal_page_mass
 from sglang_compact.summaries import LayerSummaries
 
 P = 16
-BUILT_IN = {"flashprefill", "xattention", "oracle", "dense", "budget", "seer"}
+BUILT_IN = {"flashprefill", "xattention", "oracle", "dense", "budget", "seer", "mass_budget"}
 
 
 def batch(seed=0, structured=True, prefix=(100, 37, 260), chunk=(40, 17, 33), hq=6, hkv=2, d=16):
@@ -32,7 +32,7 @@ def test_registry_has_every_built_in_selector():
     assert BUILT_IN <= set(selector_names())
 
 
-@pytest.mark.parametrize("name", ["flashprefill", "xattention", "oracle", "dense", "budget"])
+@pytest.mark.parametrize("name", ["flashprefill", "xattention", "oracle", "dense", "budget", "mass_budget"])
 def test_selections_are_shaped_and_stay_in_their_candidates(name):
     b = batch(1)
     qb = b.qblocks
@@ -153,3 +153,44 @@ def test_seer_rejects_bad_weights(tmp_path):
         sel.select(b, 0, None)
     with pytest.raises(ValueError, match="not found"):
         make_selector(cfg("seer", gate_path=str(tmp_path / "none.safetensors")))
+
+
+@pytest.mark.parametrize("seed,density", [(7, 0.33), (8, 0.5), (9, 0.2)])
+def test_mass_budget_is_xattention_ranked_by_mass_under_the_density_cap(seed, density):
+    """`mass_budget` is the configuration measured on Qwen at 32K (xattention at threshold 1, capped by
+    `density_cap`), as one selector whose rows are fixed on the host: the same pages, and as many as
+    `row_pages` promised."""
+    from sglang_compact.compact import CompactAttention
+    b = batch(seed)
+    common = dict(block_size=P, sink_blocks=1, recent_blocks=1)
+    ours = CompactAttention(CompactConfig(selector="mass_budget", selector_params={"density": density}, **common))
+    measured = CompactAttention(CompactConfig(selector="xattention", selector_params={"threshold": 1.0},
+                                              density_cap=density, **common))
+    a = ours.select_pages(b, 0, batch_summaries(b))
+    x = measured.select_pages(b, 0, batch_summaries(b))
+    assert torch.equal(a.table, x.table) and torch.equal(a.counts, x.counts)
+    assert a.counts.tolist() == ours.row_pages(b)
+    assert a.table.sum() < b.full_table().sum() * b.num_kv_heads   # it did drop pages
+
+
+def test_mass_budget_finds_a_needle_page_that_mean_keys_dilute():
+    """One key per page aligned with every query (a needle sentence in a haystack page) whose other keys score
+    below the haystack's: the antidiagonal estimate sums keys over `stride` tokens only and keeps the needle
+    pages; a page's mean key dilutes the single token over the page and ranks them below the haystack."""
+    torch.manual_seed(0)
+    b = batch(10, structured=False, prefix=(256,), chunk=(32,), hq=2, hkv=1, d=16)
+    pages = b.page_table[0].long()
+    needle_pages = [2, 5, 9]
+    direction = torch.nn.functional.normalize(torch.randn(16), dim=0)
+    b.q[:] = direction * 8.0                               # every query asks the same thing
+    k = b.k_pool                                           # [num_pages, H_kv, P, D]
+    k[pages[:16]] = 0.35 * direction.to(k.dtype)           # haystack: mildly relevant everywhere
+    for j in needle_pages:   # one strongly relevant token, the rest of the page below the haystack's mean
+        k[pages[j], :, 5] = 6.0 * direction.to(k.dtype)
+        k[pages[j], :, 8:] = -0.8 * direction.to(k.dtype)
+    config = dict(block_size=P, sink_blocks=0, recent_blocks=0, selector_params={"density": 0.4})
+    summaries = LayerSummaries.from_pool(b.k_pool, b.page_table, b.context_lens_cpu())
+    mass = make_selector(CompactConfig(selector="mass_budget", **config)).select(b, 0, summaries)
+    mean = make_selector(CompactConfig(selector="budget", **config)).select(b, 0, summaries)
+    assert mass.table[0, 0, needle_pages].all()
+    assert not mean.table[0, 0, needle_pages].any()

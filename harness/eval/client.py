@@ -81,7 +81,7 @@ def parse_histogram_counters(text: str, name: str) -> tuple[float, float] | None
     return None if total is None or count is None else (total, count)
 
 
-def density_between(before: tuple[float, float] | None, after: tuple[float, float] | None) -> float | None:
+def mean_between(before: tuple[float, float] | None, after: tuple[float, float] | None) -> float | None:
     """Mean density (or recall) of the forward passes observed between two (sum, count) snapshots."""
     if after is None:
         return None

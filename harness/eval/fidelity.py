@@ -37,7 +37,9 @@ A compact selector that fixes its rows at the pass's observing layer
 error), layer 1 selects and fixes each row's page count, every later layer
 keeps that many pages per row. A compact method's `dense_layers`
 (`compact:flashprefill:dense_layers=21-23`, the server's
-`--compact-dense-layers`) read every page in those layers.
+`--compact-dense-layers`) read every page in those layers; its `density_cap`
+(`compact:oracle:top_p=1,density_cap=0.35`, the server's `--compact-density-cap`:
+the best pages by exact mass at that density) keeps at most that share of each row.
 
 Every layer sees the dense model's activations (errors do not compound
 across layers): this isolates each method's attention-level error.
@@ -186,6 +188,18 @@ class Method:
         return float(v)
 
     @property
+    def density_cap(self) -> float | None:
+        """At most this share of each sparse row's pages, best scores first (`CompactConfig.density_cap`, the
+        server's `--compact-density-cap`); None: no cap. With `oracle` at top_p 1 it is the best page choice at a
+        given density."""
+        v = dict(self.params).get("density_cap")
+        if v is None:
+            return None
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.0 < v <= 1.0:
+            raise ValueError(f"{self.label}: density_cap must be a density in (0, 1], got {v!r}")
+        return float(v)
+
+    @property
     def selector_params(self) -> dict[str, Any]:
         return {k: v for k, v in self.params if k not in SERVER_PARAMS}
 
@@ -201,7 +215,8 @@ class Method:
         return CompactConfig(block_size=page_size, selector=self.selector if sparse else "dense",
                              selector_params=self.selector_params if sparse else {},
                              sink_blocks=sink_blocks, recent_blocks=recent_blocks, min_context=min_context,
-                             dense_tail=self.dense_tail, dense_layers=self.dense_layers if sparse else ())
+                             dense_tail=self.dense_tail, dense_layers=self.dense_layers if sparse else (),
+                             density_cap=self.density_cap if sparse else None)
 
     def gate(self, config: CompactConfig, chunk: int | None) -> Gate:
         """The windows this method runs sparse: from `config.min_context` on, outside the dense tail; none for
@@ -214,7 +229,7 @@ class Method:
 
 DENSE = Method("dense")
 #: a compact method's parameters that are not its selector's
-SERVER_PARAMS = ("dense_tail", "dense_layers", "dense_above")
+SERVER_PARAMS = ("dense_tail", "dense_layers", "dense_above", "density_cap")
 
 
 def parse_method(text: str) -> Method:
@@ -242,9 +257,12 @@ def parse_method(text: str) -> Method:
             CompactConfig(dense_layers=m.dense_layers)
         if m.dense_above is not None and kind != "compact":
             raise ValueError("dense_above is a compact method's (the server's --compact-dense-above)")
+        if m.density_cap is not None:
+            CompactConfig(selector=m.selector, selector_params=m.selector_params, density_cap=m.density_cap)
     except ValueError as e:
         raise ValueError(f"bad method {text!r}: {e} (after the selector come its parameters, dense_tail, "
-                         "dense_layers and dense_above only; other server flags are given to the server)") from None
+                         "dense_layers, dense_above and density_cap only; other server flags are given to the "
+                         "server)") from None
     return m
 
 

@@ -6,7 +6,8 @@ import json
 from typing import Any
 
 START_PRESETS = ("cpu-dense", "cpu-compact", "cpu-compact-dense", "hf")
-SELECTOR_PARAM_FLAGS = {"flashprefill": "alpha", "xattention": "threshold", "oracle": "top_p", "budget": "density"}
+SELECTOR_PARAM_FLAGS = {"flashprefill": "alpha", "xattention": "threshold", "oracle": "top_p", "budget": "density",
+                        "mass_budget": "density"}
 
 
 def selector_params(args) -> dict[str, Any]:
@@ -43,6 +44,8 @@ def compact_server_args(selector: str, params: dict[str, Any], min_context: int,
         extra += ["--compact-dense-layers", ",".join(map(str, m.dense_layers))]
     if m.dense_above is not None:
         extra += ["--compact-dense-above", str(m.dense_above)]
+    if m.density_cap is not None:
+        extra += ["--compact-density-cap", str(m.density_cap)]
     return extra
 
 

@@ -19,6 +19,11 @@ from typing import Iterable, Sequence
 Key = tuple[str, int, int, int]  # task, length, seed, index
 
 
+def prompt_key(record: dict) -> Key:
+    """A scored record's prompt: (task, length, seed, index); records from before seeds were kept: seed 0."""
+    return record["task"], int(record["length"]), int(record.get("seed", 0)), int(record["index"])
+
+
 def load_scores(path: str | Path) -> dict[Key, float]:
     """(task, length, seed, index) -> score in [0, 1]; a prompt seen twice keeps its last record."""
     out: dict[Key, float] = {}
@@ -28,7 +33,7 @@ def load_scores(path: str | Path) -> dict[Key, float]:
             if not line:
                 continue
             r = json.loads(line)
-            out[(r["task"], int(r["length"]), int(r.get("seed", 0)), int(r["index"]))] = float(r["score"])
+            out[prompt_key(r)] = float(r["score"])
     return out
 
 
@@ -147,7 +152,7 @@ def merge_predictions(run_dirs: Sequence[str | Path], out_dir: str | Path) -> di
                 if not line.strip():
                     continue
                 r = json.loads(line)
-                key: Key = (r["task"], int(r["length"]), int(r.get("seed", 0)), int(r["index"]))
+                key = prompt_key(r)
                 if key in seen and seen[key]["run"] != run.name:
                     raise ValueError(f"{f.name}: prompt {key} is scored in both {seen[key]['run']} and {run.name}")
                 ident = _prompt_identity(r)

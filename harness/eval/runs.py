@@ -7,7 +7,7 @@ import json
 import time
 from typing import Any
 
-from harness.eval.client import Client, density_between
+from harness.eval.client import Client, mean_between
 from harness.eval.progress import progress as _progress
 from harness.eval.tasks import Sample, load_tokenizer
 
@@ -32,13 +32,13 @@ def run_samples(client: Client, samples: list[Sample], desc: str, flush: bool = 
             r = client.generate(s.input_ids, s.max_new_tokens)
             dt = time.monotonic() - t0
             after = client.compact_counters()
-            server_density = density_between(before["density"], after["density"])
+            server_density = mean_between(before["density"], after["density"])
             pred = r.get("text", "")
             rec = {**s.as_dict(), "pred": pred, "score": s.score(pred), "all_found": s.all_found(pred),
                    "seconds": round(dt, 3), "prompt_tokens": r.get("meta_info", {}).get("prompt_tokens"),
                    "completion_tokens": r.get("meta_info", {}).get("completion_tokens"),
                    "server_density": server_density}
-            recall = density_between(before["recall"], after["recall"])
+            recall = mean_between(before["recall"], after["recall"])
             if recall is not None:
                 rec["server_recall"] = recall
             _keep(out, rec, log_file, bar, s, dt)

@@ -4,7 +4,8 @@
 from sglang_compact.selectors.base import Selection, Selector
 from sglang_compact.selectors.registry import (SelectorParams, SelectorSpec, param, register_selector,
                                                selector_names, selector_spec)
-from sglang_compact.selectors import budget, dense, flashprefill, oracle, seer, xattention  # noqa: F401,E402  (register)
+from sglang_compact.selectors import (budget, dense, flashprefill, mass_budget, oracle, seer,  # noqa: F401,E402
+                                     xattention)  # (register)
 
 
 def make_selector(config) -> Selector:

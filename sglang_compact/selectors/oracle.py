@@ -43,7 +43,7 @@ class OracleParams(SelectorParams):
     top_p: float = param(0.95, lo=0.0, hi=1.0, help="attention mass each head keeps")
 
 
-@register_selector("oracle", params=OracleParams, expected_density=0.3)
+@register_selector("oracle", params=OracleParams, expected_density=0.3, priced_search=False)
 class OracleSelector(Selector):
     """Exact attention mass per page, top-p: the accuracy ceiling (evaluation only; slow)."""
 

@@ -115,6 +115,9 @@ class SelectorSpec:
     uses_summaries: it scores the pages' mean keys (`PageSummaries`), which the backend then keeps.
     expected_density: the fraction of a long context it typically reads (from the parameters), which the
         cost gate weighs against its overhead.
+    priced_search: the cost model's search term (the FlashPrefill mean-key kernel, calibrated per GPU) prices
+        its search. False: nothing calibrated prices it, so the gate does not predict when it pays (a fixed
+        context threshold, or `--compact-min-context`) and there is no observed-density fallback.
     """
 
     name: str
@@ -125,6 +128,7 @@ class SelectorSpec:
     expected_density: Callable[[SelectorParams], float]
     help: str
     fixes_rows_at_observing_layer: Callable[[SelectorParams], bool] = lambda _p: False
+    priced_search: bool = True
 
     def make(self, config) -> "Selector":
         return self.cls(config)
@@ -137,8 +141,8 @@ _entry_points_loaded = False
 def register_selector(name: str, *, params: type[SelectorParams] = NoParams, fixes_row_lengths: bool = False,
                       uses_summaries: bool = False,
                       expected_density: float | Callable[[SelectorParams], float] = 1.0,
-                      fixes_rows_at_observing_layer: Callable[[SelectorParams], bool] | None = None
-                      ) -> Callable[[type], type]:
+                      fixes_rows_at_observing_layer: Callable[[SelectorParams], bool] | None = None,
+                      priced_search: bool = True) -> Callable[[type], type]:
     """Class decorator registering a `Selector` subclass under `name` (re-registering a name replaces it)."""
     if not name or not name.replace("_", "").replace("-", "").isalnum():
         raise ValueError(f"selector name {name!r} must be letters, digits, '-' or '_'")
@@ -149,7 +153,7 @@ def register_selector(name: str, *, params: type[SelectorParams] = NoParams, fix
     def deco(cls: type) -> type:
         doc = (cls.__doc__ or "").strip().splitlines()
         spec = SelectorSpec(name, cls, params, fixes_row_lengths, uses_summaries, density, doc[0] if doc else "",
-                            fixes_rows_at_observing_layer or (lambda _p: False))
+                            fixes_rows_at_observing_layer or (lambda _p: False), priced_search)
         cls.name = name
         cls.spec = spec
         _REGISTRY[name] = spec

@@ -50,7 +50,7 @@ class XAttentionParams(SelectorParams):
     stride: int = param(8, lo=1, hi=16, power_of_two=True, help="antidiagonal stride S")
 
 
-@register_selector("xattention", params=XAttentionParams, expected_density=0.4)
+@register_selector("xattention", params=XAttentionParams, expected_density=0.4, priced_search=False)
 class XAttentionSelector(Selector):
     """Strided antidiagonal page scores, cumulative-mass threshold (XAttention)."""
 
