@@ -7,8 +7,9 @@ density)` are kept (forced sink / recent / window pages first), as `budget` keep
 
 Why it exists: on Qwen2.5-Coder-0.5B at 32K (chunk 1024, page 32), mean-key scores (`budget`,
 `flashprefill`) lose 5-7 points of multi-key retrieval at a third of the pages, while this ranking at
-the same density keeps dense accuracy (docs/results/accuracy.md, session 14): a needle is one sentence
-in a page of haystack, and the page's mean key dilutes it where the keys themselves do not.
+the same density keeps dense accuracy (docs/results/accuracy.md, session 14). The likely reason (both
+keep the same mean attention mass in a replay; they keep different pages): a needle is one sentence in
+a page of haystack, and the page's mean key dilutes it where an 8-token antidiagonal sum does not.
 
 Every row's length is known on the host before any search (`fixes_row_lengths`), so FlashInfer fa3
 is planned once per forward pass. The search costs O(chunk x context / stride) per head, more than
