@@ -16,8 +16,7 @@ from sglang_compact.batch import ChunkBatch
 from sglang_compact.config import CompactConfig
 from sglang_compact.indices import IndexBuffers, PagedIndices, build_indices
 from sglang_compact.selectors import make_selector
-from sglang_compact.selectors.base import (Selection, forced_count, row_budget, top_pages_per_row,
-                                           window_scores)
+from sglang_compact.selectors.base import Selection, forced_count, row_budget, row_scores, top_pages_per_row
 from sglang_compact.summaries import LayerSummaries
 from sglang_compact.union import row_density, union_table
 
@@ -114,15 +113,10 @@ class CompactAttention:
         """At most `row_budget(last + 1, density_cap)` pages per sparse row, best scores first (group max over
         the query heads, max over the window's q-blocks)."""
         cfg = self.config
-        scores = sel.scores
-        H_kv = table.shape[0]
-        if scores is None:   # a selector without scores: keep the lowest pages (deterministic)
+        if sel.scores is None:   # a selector without scores: keep the lowest pages (deterministic)
             scores = -torch.arange(table.shape[-1], device=table.device, dtype=torch.float32).expand_as(table)
         else:
-            if scores.shape[0] != H_kv:
-                scores = scores.reshape(H_kv, scores.shape[0] // H_kv, *scores.shape[1:]).amax(dim=1)
-            if scores.shape[1] != table.shape[1]:
-                scores = window_scores(scores, batch)
+            scores = row_scores(sel.scores, batch)
         return top_pages_per_row(scores, batch, cfg.density_cap, cfg.sink_blocks, cfg.recent_blocks, allowed=table)
 
 

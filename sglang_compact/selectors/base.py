@@ -148,6 +148,18 @@ def window_scores(scores: torch.Tensor, batch: ChunkBatch) -> torch.Tensor:
     return out.index_reduce_(1, d["window"].long(), scores, "amax", include_self=True)
 
 
+def row_scores(scores: torch.Tensor, batch: ChunkBatch) -> torch.Tensor:
+    """Scores per query head or kv head, per q-block or per window -> float [H_kv, NW, NKV], one row per kv
+    head and window: the best over each kv head's query-head group, then over each window's q-blocks (a
+    row reads its pages for every query head and every q-block of its window)."""
+    H_kv = batch.num_kv_heads
+    if scores.shape[0] != H_kv:
+        scores = scores.reshape(H_kv, scores.shape[0] // H_kv, *scores.shape[1:]).amax(dim=1)
+    if scores.shape[1] != batch.qblocks.windows:
+        scores = window_scores(scores, batch)
+    return scores
+
+
 def top_pages_per_row(row_scores: torch.Tensor, batch: ChunkBatch, fraction: float, sink_blocks: int,
                       recent_blocks: int, allowed: torch.Tensor | None = None):
     """Keep `row_budget` pages of each sparse row: the forced pages first, then the best-scoring candidates

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sglang_compact.selectors.base import Selection, top_pages_per_row, window_scores
+from sglang_compact.selectors.base import Selection, row_scores, top_pages_per_row
 from sglang_compact.selectors.budget import BudgetSelector
 from sglang_compact.selectors.registry import SelectorParams, param, register_selector
 from sglang_compact.selectors.xattention import antidiagonal_page_mass
@@ -44,9 +44,6 @@ class MassBudgetSelector(BudgetSelector):
 
     def select(self, batch, layer, summaries):
         cfg = self.config
-        mass = antidiagonal_page_mass(batch, self.params.stride)                  # [H_q, NQB, NKV]
-        H_kv = batch.num_kv_heads
-        group_best = mass.reshape(H_kv, mass.shape[0] // H_kv, *mass.shape[1:]).amax(dim=1)
-        scores = window_scores(group_best, batch)                                  # [H_kv, NW, NKV]
+        scores = row_scores(antidiagonal_page_mass(batch, self.params.stride), batch)   # [H_kv, NW, NKV]
         table, counts = top_pages_per_row(scores, batch, self.params.density, cfg.sink_blocks, cfg.recent_blocks)
         return Selection(table=table, counts=counts, scores=scores)

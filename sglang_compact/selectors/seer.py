@@ -38,7 +38,7 @@ class SeerParams(SelectorParams):
     gate_path: str = param(None, help="safetensors file of AttnGate weights (required)")
 
 
-@register_selector("seer", params=SeerParams, expected_density=0.4)
+@register_selector("seer", params=SeerParams, expected_density=0.4, priced_search=False)
 class SeerSelector(Selector):
     """SeerAttention's learned AttnGate over pooled queries and pages, top-p."""
 
