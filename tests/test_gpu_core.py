@@ -21,8 +21,8 @@ from sglang_compact.config import CompactConfig  # noqa: E402
 from sglang_compact.executors import ForwardShape, TorchExecutor, reference_attention  # noqa: E402
 from sglang_compact.executors.base import rows_from_tokens, tokens_from_rows  # noqa: E402
 from sglang_compact.executors.flashinfer_executor import make_flashinfer_executor  # noqa: E402
-from sglang_compact.kernels import flashprefill, flashprefill_naive, indices, indices_naive, kv_cache, \
-    kv_cache_naive, union, union_naive  # noqa: E402
+from sglang_compact.kernels import antidiagonal_naive, flashprefill, flashprefill_naive, indices, indices_naive, \
+    kv_cache, kv_cache_naive, union, union_naive  # noqa: E402
 
 DEV = "cuda"
 P = 64
@@ -441,6 +441,29 @@ def test_triton_kernels_equal_references_on_gpu(seed):
         outs.append(st)
     for x, y in zip(*outs):
         torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-3)
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("stride", [8, 16])
+def test_antidiagonal_kernel_equals_reference_on_gpu(seed, stride):
+    """XAttention's page-mass estimate (`xattention`, `mass_budget`): the Triton kernel, reading the bf16 pool
+    through the page table, against its torch twin in float32 on the same inputs."""
+    from sglang_compact.selectors.xattention import antidiagonal_page_mass, antidiagonal_rows
+    g = torch.Generator().manual_seed(100 + seed)
+    hq, hkv, d = [(32, 8, 128), (14, 2, 64), (16, 4, 128), (9, 3, 64)][seed]
+    B = 1 + seed % 3
+    prefix = [int(x) for x in torch.randint(0, 40000, (B,), generator=g)]
+    chunk = [int(x) for x in torch.randint(1, 1500, (B,), generator=g)]
+    b = gpu_batch(prefix, chunk, hq, hkv, d, seed=seed, sparse_ranges=[(1, 40)] * B)
+    got = antidiagonal_page_mass(b, stride)                                   # the kernel (CUDA)
+    q_rows, weight = antidiagonal_rows(b, stride)
+    qb = b.device_qblocks()
+    want = antidiagonal_naive.page_mass(q_rows, b.k_pool, b.page_table, qb["req"], qb["cand"], weight,
+                                        hq // hkv, b.qblocks.max_pages, b.sm_scale / stride)
+    torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-5)
+    has = qb["cand"] > 0
+    assert has.any()
+    torch.testing.assert_close(got.sum(-1)[:, has], weight.sum(-1)[has][None].expand(hq, -1), rtol=1e-3, atol=1e-4)
 
 
 def test_row_reshapes_round_trip():

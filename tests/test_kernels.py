@@ -4,8 +4,8 @@ run on the CPU under TRITON_INTERPRET=1 (set in conftest)."""
 import pytest
 import torch
 
-from sglang_compact.kernels import flashprefill, flashprefill_naive, indices, indices_naive, kv_cache, \
-    kv_cache_naive, union, union_naive
+from sglang_compact.kernels import antidiagonal, antidiagonal_naive, flashprefill, flashprefill_naive, indices, \
+    indices_naive, kv_cache, kv_cache_naive, union, union_naive
 from _cases import random_geometry
 
 SEEDS = range(6)
@@ -173,3 +173,39 @@ def test_store_kv_kernel_equals_reference(seed):
         impl.store_kv(kp, vp, loc[:0], k[:0], v[:0], ks, cnt)  # an empty write is a no-op
     for x, y in zip(*state):
         torch.testing.assert_close(x, y, rtol=1e-6, atol=1e-5)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("Hq,Hkv,D,S", [(6, 2, 32, 4), (4, 4, 16, 8), (14, 2, 16, 16), (3, 1, 32, 2)])
+def test_antidiagonal_page_mass_equals_reference(seed, Hq, Hkv, D, S):
+    P = 16
+    case = random_geometry(seed, P=P)
+    g = case["generator"]
+    qb = case["qb"]
+    NQB, NKV, G, R = qb.count, qb.max_pages, Hq // Hkv, P // S
+    GP = 1 << (G - 1).bit_length()
+    q_rows = torch.randn(Hkv, NQB, GP, R, S * D, generator=g)
+    q_rows[:, :, G:] = float("nan")                       # padded heads: never read into a result
+    k_pool = torch.randn(case["num_pages"], Hkv, P, D, generator=g) * 0.5
+    weight = torch.rand(NQB, R, generator=g) * (torch.rand(NQB, R, generator=g) > 0.2)
+    d = qb.on("cpu")
+    args = (q_rows, k_pool, case["page_table"], d["req"], d["cand"], weight, G, NKV, 0.3 / S)
+    want = antidiagonal_naive.page_mass(*args)
+    # other column / dot blocks and tiles of fewer q-blocks give the same result
+    for config in (None, {"BN": 16, "BK": 16}, {"rows": 16, "BN": 32, "BK": 16}):
+        got = antidiagonal.page_mass(*args, config=config)
+        assert got.shape == (Hq, NQB, NKV)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+    # each q-block's mass over its candidates sums to its rows' total weight; nothing outside them
+    cand = torch.arange(NKV)[None, :] < d["cand"].long()[:, None]
+    assert not (got * ~cand[None]).any()
+    has = d["cand"] > 0
+    torch.testing.assert_close(got.sum(-1)[:, has], weight.sum(-1)[has][None].expand(Hq, -1), atol=1e-5, rtol=1e-4)
+
+
+def test_antidiagonal_tiles_stay_within_a_request():
+    req = [0, 0, 0, 1, 2, 2, 2, 2, 2]
+    tiles = antidiagonal.make_tiles(req, 2)
+    assert tiles == [(0, 2), (2, 1), (3, 1), (4, 2), (6, 2), (8, 1)]
+    assert antidiagonal.qblocks_per_tile(7, 4) == 4 and antidiagonal.qblocks_per_tile(1, 1) == 128
+    assert antidiagonal.qblocks_per_tile(1, 2, target_rows=4) == 8        # tl.dot needs 16 rows

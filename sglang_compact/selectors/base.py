@@ -229,8 +229,8 @@ def _keep_top(ranked: torch.Tensor, k: torch.Tensor, k_max: int) -> torch.Tensor
     return out.scatter_(-1, top, keep)
 
 
-def qblock_queries(batch: ChunkBatch) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each q-block's queries at their offsets in its page: float32 [NQB, P, H_q, D] (zeros where the
+def qblock_queries(batch: ChunkBatch, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each q-block's queries at their offsets in its page: [NQB, P, H_q, D] in `dtype` (zeros where the
     page has no query of this chunk) and valid bool [NQB, P]."""
     def index():
         qb, P = batch.qblocks, batch.page_size
@@ -241,7 +241,7 @@ def qblock_queries(batch: ChunkBatch) -> tuple[torch.Tensor, torch.Tensor]:
         src = (torch.tensor(qb.start)[:, None] + u - off).clamp(0, max(batch.num_tokens - 1, 0))
         return src.to(batch.q.device), valid.to(batch.q.device)
     src, valid = batch.memo(("qblock_queries",), index)
-    q = batch.q[src.reshape(-1)].reshape(*src.shape, batch.num_q_heads, batch.head_dim).to(torch.float32)
+    q = batch.q[src.reshape(-1)].reshape(*src.shape, batch.num_q_heads, batch.head_dim).to(dtype)
     return q * valid[:, :, None, None], valid
 
 

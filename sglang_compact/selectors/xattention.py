@@ -14,34 +14,45 @@ from dataclasses import dataclass
 
 import torch
 
-from sglang_compact.selectors.base import NEG_INF, Selection, Selector, qblock_queries, request_qblocks, top_p_rows
+from sglang_compact.kernels import antidiagonal as antidiagonal_kernel
+from sglang_compact.kernels import antidiagonal_naive, use_triton
+from sglang_compact.selectors.base import Selection, Selector, qblock_queries, top_p_rows
 from sglang_compact.selectors.registry import SelectorParams, param, register_selector
 
 
-def antidiagonal_page_mass(batch, stride: int, head_chunk: int = 8) -> torch.Tensor:
-    """float32 [H_q, NQB, NKV] estimated attention mass of each candidate page."""
-    q_pad, q_valid = qblock_queries(batch)                       # [NQB, P, H_q, D]
-    H_q, P, G, S, D = batch.num_q_heads, batch.page_size, batch.group_size, stride, batch.head_dim
-    out = torch.zeros(H_q, batch.qblocks.count, batch.qblocks.max_pages, dtype=torch.float32, device=q_pad.device)
-    for idx, a, k, n in request_qblocks(batch):
-        NQ = idx.stop - idx.start
-        E = k.shape[1]
-        k = torch.nn.functional.pad(k, (0, 0, 0, n * P - E))      # [H_kv, n * P, D]
-        cols = n * P // S
-        cand = torch.arange(cols, device=k.device)[None, :] < (a * (P // S))[:, None]   # [NQ, cols]
-        rows_ok = q_valid[idx].reshape(NQ, P // S, S).any(-1)                             # [NQ, P/S]
-        nrows = rows_ok.sum(-1).clamp(min=1).to(torch.float32)
-        for h0 in range(0, H_q, head_chunk):
-            h1 = min(H_q, h0 + head_chunk)
-            qq = q_pad[idx][:, :, h0:h1].permute(2, 0, 1, 3).reshape(h1 - h0, NQ, P // S, S, D).flip(3)
-            qq = qq.reshape(h1 - h0, NQ, P // S, S * D)
-            kk = k[torch.arange(h0, h1, device=k.device) // G].reshape(h1 - h0, cols, S * D)
-            s = torch.einsum("hqrd,hcd->hqrc", qq, kk) * (batch.sm_scale / S)
-            s = s.masked_fill(~cand[None, :, None, :], NEG_INF)
-            p = torch.softmax(s, dim=-1).nan_to_num_(0.0) * rows_ok[None, :, :, None]
-            m = p.reshape(h1 - h0, NQ, P // S, n, P // S).sum(dim=(2, 4))
-            out[h0:h1, idx, :n] = m / nrows[None, :, None]
-    return out
+def antidiagonal_rows(batch, stride: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The q-blocks' queries as the antidiagonal reads them: ([H_kv, NQB, GP, R, S * D] in the queries' dtype,
+    row r = queries r*S+S-1 .. r*S of the q-block's page (flipped), query heads of each kv head's group padded
+    to GP = next power of two with zeros; float32 [NQB, R] each row's weight in its q-block's mean, 1 / the
+    q-block's rows that hold a query of this chunk, 0 for a row that holds none)."""
+    q_pad, q_valid = qblock_queries(batch, dtype=batch.q.dtype)               # [NQB, P, H_q, D]
+    NQB, P, H_q, D = q_pad.shape
+    S, H_kv, G = stride, batch.num_kv_heads, batch.group_size
+    R, GP = P // S, 1 << max(G - 1, 0).bit_length()
+    rows = q_pad.reshape(NQB, R, S, H_kv, G, D).flip(2).permute(3, 0, 4, 1, 2, 5)   # [H_kv, NQB, G, R, S, D]
+    if GP > G:
+        rows = torch.nn.functional.pad(rows, (0, 0, 0, 0, 0, 0, 0, GP - G))
+    rows_ok = q_valid.reshape(NQB, R, S).any(-1)
+    weight = rows_ok / rows_ok.sum(-1, keepdim=True).clamp(min=1)
+    return rows.reshape(H_kv, NQB, GP, R, S * D), weight.to(torch.float32)
+
+
+def antidiagonal_page_mass(batch, stride: int) -> torch.Tensor:
+    """float32 [H_q, NQB, NKV] estimated attention mass of each candidate page (0 elsewhere): the Triton
+    kernel on CUDA (`kernels/antidiagonal.py`), its torch twin elsewhere."""
+    if batch.page_size % stride:
+        raise ValueError(f"antidiagonal stride {stride} must divide the page size {batch.page_size}")
+    q_rows, weight = antidiagonal_rows(batch, stride)
+    d = batch.device_qblocks()
+    args = (q_rows, batch.k_pool, batch.page_table, d["req"], d["cand"], weight, batch.group_size,
+            batch.qblocks.max_pages, batch.sm_scale / stride)
+    if use_triton(batch.q) and antidiagonal_kernel.supports(batch.head_dim, batch.page_size, stride):
+        per_tile = antidiagonal_kernel.qblocks_per_tile(batch.group_size, batch.page_size // stride)
+        tiles = batch.memo(("antidiagonal_tiles", per_tile), lambda: torch.tensor(
+            antidiagonal_kernel.make_tiles(batch.qblocks.req, per_tile), dtype=torch.int32).to(
+            batch.q.device, non_blocking=True))
+        return antidiagonal_kernel.page_mass(*args, tiles=tiles)
+    return antidiagonal_naive.page_mass(*args)
 
 
 @dataclass(frozen=True)
