@@ -194,3 +194,25 @@ def test_mass_budget_finds_a_needle_page_that_mean_keys_dilute():
     mean = make_selector(CompactConfig(selector="budget", **config)).select(b, 0, summaries)
     assert mass.table[0, 0, needle_pages].all()
     assert not mean.table[0, 0, needle_pages].any()
+
+
+@pytest.mark.parametrize("name", ["budget", "mass_budget"])
+def test_a_page_floor_keeps_at_least_min_pages_per_sparse_row(name):
+    """`min_pages`: each sparse row keeps max(row_budget at the density, min_pages) pages, never more than its
+    context; the rows stay fixed on the host (`row_pages` equals what `select` keeps), and the floor only adds
+    pages: every page of the plain budget is still kept."""
+    from sglang_compact.compact import CompactAttention
+    from sglang_compact.selectors.base import row_budget
+    b = batch(12, prefix=(300, 37, 520), chunk=(40, 17, 33))
+    common = dict(block_size=P, sink_blocks=1, recent_blocks=1)
+    plain = CompactAttention(CompactConfig(selector=name, selector_params={"density": 0.2}, **common))
+    floor = CompactAttention(CompactConfig(selector=name, selector_params={"density": 0.2, "min_pages": 12}, **common))
+    a = plain.select_pages(b, 0, batch_summaries(b))
+    f = floor.select_pages(b, 0, batch_summaries(b))
+    assert f.counts.tolist() == floor.row_pages(b)
+    qb = b.qblocks
+    want = [row_budget(l + 1, 0.2, int(c), 12) if s else l + 1
+            for l, s, c in zip(qb.w_last, qb.w_sparse, a.counts[:qb.windows].tolist())]
+    assert f.counts[:qb.windows].tolist() == want
+    assert any(s and 12 < l + 1 and c < 12 for l, s, c in zip(qb.w_last, qb.w_sparse, a.counts.tolist()))
+    assert (f.table | ~a.table).all()          # a superset of the plain selection

@@ -120,10 +120,11 @@ def top_p_rows(mass: torch.Tensor, valid: torch.Tensor, p: float) -> torch.Tenso
     return keep & valid
 
 
-def row_budget(n_pages: int, fraction: float, forced: int) -> int:
-    """Pages a row with n_pages context pages, `forced` of them forced, keeps at `fraction`:
-    min(n, max(ceil(fraction * n), forced)). The host twin of `top_pages_per_row`'s count."""
-    return min(n_pages, max(math.ceil(n_pages * fraction - 1e-9), forced))
+def row_budget(n_pages: int, fraction: float, forced: int, min_pages: int = 0) -> int:
+    """Pages a row with n_pages context pages, `forced` of them forced, keeps at `fraction` with a floor of
+    `min_pages`: min(n, max(ceil(fraction * n), forced, min_pages)). The host twin of `top_pages_per_row`'s
+    count."""
+    return min(n_pages, max(math.ceil(n_pages * fraction - 1e-9), forced, min_pages))
 
 
 def forced_count(first: int, last: int, sink_blocks: int, recent_blocks: int) -> int:
@@ -132,10 +133,11 @@ def forced_count(first: int, last: int, sink_blocks: int, recent_blocks: int) ->
     return len(before) + last - first + 1
 
 
-def budget_row_pages(batch: ChunkBatch, fraction: float, sink_blocks: int, recent_blocks: int) -> list[int]:
+def budget_row_pages(batch: ChunkBatch, fraction: float, sink_blocks: int, recent_blocks: int,
+                     min_pages: int = 0) -> list[int]:
     """Host page counts of every row r = g * NW + w: `row_budget` for a sparse window, last + 1 for a dense one."""
     qb = batch.qblocks
-    per_w = [row_budget(l + 1, fraction, forced_count(f, l, sink_blocks, recent_blocks)) if s else l + 1
+    per_w = [row_budget(l + 1, fraction, forced_count(f, l, sink_blocks, recent_blocks), min_pages) if s else l + 1
              for f, l, s in zip(qb.w_first, qb.w_last, qb.w_sparse)]
     return per_w * batch.num_kv_heads
 
@@ -161,7 +163,7 @@ def row_scores(scores: torch.Tensor, batch: ChunkBatch) -> torch.Tensor:
 
 
 def top_pages_per_row(row_scores: torch.Tensor, batch: ChunkBatch, fraction: float, sink_blocks: int,
-                      recent_blocks: int, allowed: torch.Tensor | None = None):
+                      recent_blocks: int, allowed: torch.Tensor | None = None, min_pages: int = 0):
     """Keep `row_budget` pages of each sparse row: the forced pages first, then the best-scoring candidates
     (equal scores in any order); a dense row keeps every page 0..last. The `budget` selector's ranking, and
     the density cap's (with `allowed`, the rows' table, of which at most that many cells survive).
@@ -174,9 +176,9 @@ def top_pages_per_row(row_scores: torch.Tensor, batch: ChunkBatch, fraction: flo
     H, NW, NKV = row_scores.shape
 
     def per_batch():
-        counts = budget_row_pages(batch, fraction, sink_blocks, recent_blocks)[:NW]
+        counts = budget_row_pages(batch, fraction, sink_blocks, recent_blocks, min_pages)[:NW]
         return torch.tensor(counts, dtype=torch.long).to(row_scores.device, non_blocking=True), max(counts, default=0)
-    k, k_max = batch.memo(("budget_counts", fraction, sink_blocks, recent_blocks), per_batch)
+    k, k_max = batch.memo(("budget_counts", fraction, sink_blocks, recent_blocks, min_pages), per_batch)
     out = _keep_top(_ranked(row_scores, batch, sink_blocks, recent_blocks, allowed), k[None, :].expand(H, NW), k_max)
     if allowed is not None:
         out &= allowed

@@ -30,6 +30,8 @@ from sglang_compact.selectors.xattention import antidiagonal_page_mass
 @dataclass(frozen=True)
 class MassBudgetParams(SelectorParams):
     density: float = param(0.33, lo=0.0, hi=1.0, help="fraction of each row's context pages kept")
+    min_pages: int = param(0, lo=0, hi=1 << 20,
+                           help="each sparse row keeps at least this many pages (its context permitting)")
     stride: int = param(8, lo=1, hi=16, power_of_two=True,
                         help="antidiagonal stride S of the mass estimate (a power of two <= 16 divides every "
                              "page size the config allows)")
@@ -45,5 +47,6 @@ class MassBudgetSelector(BudgetSelector):
     def select(self, batch, layer, summaries):
         cfg = self.config
         scores = row_scores(antidiagonal_page_mass(batch, self.params.stride), batch)   # [H_kv, NW, NKV]
-        table, counts = top_pages_per_row(scores, batch, self.params.density, cfg.sink_blocks, cfg.recent_blocks)
+        table, counts = top_pages_per_row(scores, batch, self.params.density, cfg.sink_blocks, cfg.recent_blocks,
+                                          min_pages=self.params.min_pages)
         return Selection(table=table, counts=counts, scores=scores)
