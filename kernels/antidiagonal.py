@@ -46,7 +46,7 @@ def _dots(q_rows, q_off, m_ok, k_pool, pt_row, g, c, c_ok, stride_kp, stride_kh,
 @triton.jit
 def _page_mass_kernel(q_rows, k_pool, page_table, qb_req, qb_cand, row_weight, tiles, out,
                       stride_kp, stride_kh, stride_pt, NQB, NKV,
-                      qk_scale, G: tl.constexpr, GP: tl.constexpr, R: tl.constexpr, P: tl.constexpr,
+                      qk_scale, G: tl.constexpr, GP: tl.constexpr, R: tl.constexpr,
                       SD: tl.constexpr, QPT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                       IEEE: tl.constexpr):
     t = tl.program_id(0)
@@ -155,6 +155,6 @@ def page_mass(q_rows: torch.Tensor, k_pool: torch.Tensor, page_table: torch.Tens
     _page_mass_kernel[(tiles.shape[0], H_kv)](
         q_rows, k_pool, page_table, qb_req, qb_cand, row_weight.contiguous(), tiles, out,
         k_pool.stride(0), k_pool.stride(1), page_table.stride(0), NQB, n_pages,
-        float(scale) * 1.4426950408889634, G=group_size, GP=GP, R=R, P=P, SD=SD, QPT=qpt, BN=BN, BK=BK,
+        float(scale) * 1.4426950408889634, G=group_size, GP=GP, R=R, SD=SD, QPT=qpt, BN=BN, BK=BK,
         IEEE=q_rows.dtype == torch.float32, num_warps=cfg.get("num_warps", 8), num_stages=cfg.get("num_stages", 2))
     return out
