@@ -1,7 +1,7 @@
 """Triton antidiagonal page-mass search (XAttention's estimate); reference: `antidiagonal_naive`.
 
 One program per (tile, kv head g). A tile is up to QPT consecutive q-blocks of one request; its rows are every
-(q-block, query head of the group, antidiagonal row) of the tile, GP * R rows per q-block, so each key column
+(q-block, query head of the group, scored antidiagonal row) of the tile, GP * RQ rows per q-block, so each key column
 of the group's context is read once per tile, not once per query head or q-block. The keys come straight from
 the pool through the request's page table: a column is S consecutive keys of one page, S * D contiguous
 elements of the head-major page, and its score against a row is one dot product of length S * D (the row's
@@ -46,28 +46,28 @@ def _dots(q_rows, q_off, m_ok, k_pool, pt_row, g, c, c_ok, stride_kp, stride_kh,
 @triton.jit
 def _page_mass_kernel(q_rows, k_pool, page_table, qb_req, qb_cand, row_weight, tiles, out,
                       stride_kp, stride_kh, stride_pt, NQB, NKV,
-                      qk_scale, G: tl.constexpr, GP: tl.constexpr, R: tl.constexpr,
+                      qk_scale, G: tl.constexpr, GP: tl.constexpr, R: tl.constexpr, RQ: tl.constexpr,
                       SD: tl.constexpr, QPT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                       IEEE: tl.constexpr):
     t = tl.program_id(0)
     g = tl.program_id(1)
     qb0 = tl.load(tiles + 2 * t)
     n_qb = tl.load(tiles + 2 * t + 1)
-    BM: tl.constexpr = QPT * GP * R
+    BM: tl.constexpr = QPT * GP * RQ
     offs_m = tl.arange(0, BM)
-    qb_loc = offs_m // (GP * R)
-    hp = (offs_m // R) % GP
-    u = offs_m % R
+    qb_loc = offs_m // (GP * RQ)
+    hp = (offs_m // RQ) % GP
+    u = offs_m % RQ
     qb = qb0 + qb_loc
     m_ok = (qb_loc < n_qb) & (hp < G)
     qb_c = tl.where(m_ok, qb, qb0)
     lim = tl.where(m_ok, tl.load(qb_cand + qb_c) * R, 0)             # candidate columns of each row
-    w = tl.where(m_ok, tl.load(row_weight + qb_c * R + u), 0.0)
+    w = tl.where(m_ok, tl.load(row_weight + qb_c * RQ + u), 0.0)
     n_cols = tl.max(lim, axis=0)
     b = tl.load(qb_req + qb0)
     pt_row = page_table + b.to(tl.int64) * stride_pt
-    # row offsets in q_rows [H_kv, NQB, GP, R, SD]
-    q_off = ((g * NQB + qb_c).to(tl.int64) * (GP * R) + hp * R + u) * SD
+    # row offsets in q_rows [H_kv, NQB, GP, RQ, SD]
+    q_off = ((g * NQB + qb_c).to(tl.int64) * (GP * RQ) + hp * RQ + u) * SD
     offs_n = tl.arange(0, BN)
     # pass 1: per-row max and denominator over the candidate columns (logits in base 2)
     m = tl.full([BM], float("-inf"), tl.float32)
@@ -99,7 +99,7 @@ def _page_mass_kernel(q_rows, k_pool, page_table, qb_req, qb_cand, row_weight, t
         acc = _dots(q_rows, q_off, m_ok, k_pool, pt_row, g, c, c_ok, stride_kp, stride_kh, R, SD, BM, BN, BK, IEEE)
         p = tl.where(c[None, :] < lim[:, None], tl.exp2(acc * qk_scale - m[:, None]) * coef[:, None], 0.0)
         per_page = tl.sum(tl.reshape(p, [BM, PB, R]), axis=2)                # [BM, PB]
-        per_head = tl.sum(tl.reshape(per_page, [HQ, R, PB]), axis=1)         # [QPT * GP, PB]
+        per_head = tl.sum(tl.reshape(per_page, [HQ, RQ, PB]), axis=1)        # [QPT * GP, PB]
         j = c0 // R + offs_j
         tl.store(out + o_row[:, None] + j[None, :], per_head, mask=o_ok[:, None] & (j < NKV)[None, :])
 
@@ -134,17 +134,19 @@ def page_mass(q_rows: torch.Tensor, k_pool: torch.Tensor, page_table: torch.Tens
               qb_cand: torch.Tensor, row_weight: torch.Tensor, group_size: int, n_pages: int, scale: float,
               tiles: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
     """Same contract as `antidiagonal_naive.page_mass`. `tiles`: int32 [T, 2] from `make_tiles(qb_req,
-    qblocks_per_tile(G, R))` (by default computed here, which reads `qb_req` on the host). `config`: launch
+    qblocks_per_tile(G, RQ))` (by default computed here, which reads `qb_req` on the host). `config`: launch
     parameters BN, BK, num_warps, num_stages and `rows` (the tile's target rows; tiles are then computed here)."""
-    H_kv, NQB, GP, R, SD = q_rows.shape
+    H_kv, NQB, GP, RQ, SD = q_rows.shape
     P, D = k_pool.shape[2], k_pool.shape[3]
     if k_pool.stride(3) != 1 or k_pool.stride(2) != D:
         raise ValueError("antidiagonal kernel: each page's keys must be contiguous [P, D]")
-    if R * (SD // D) != P or GP & (GP - 1) or R & (R - 1):
-        raise ValueError(f"antidiagonal kernel: rows {R} x stride {SD // D} != page size {P} or not powers of two")
+    R = P // (SD // D)                                   # columns per page
+    if R * (SD // D) != P or GP & (GP - 1) or R & (R - 1) or RQ & (RQ - 1) or RQ > R:
+        raise ValueError(f"antidiagonal kernel: page {P}, stride {SD // D}, {RQ} rows per q-block: "
+                         "not powers of two dividing the page")
     out = torch.zeros(H_kv * group_size, NQB, n_pages, dtype=torch.float32, device=q_rows.device)
     cfg = config or {}
-    qpt = qblocks_per_tile(group_size, R, cfg.get("rows", 128))
+    qpt = qblocks_per_tile(group_size, RQ, cfg.get("rows", 128))
     if tiles is None or "rows" in cfg:
         tiles = torch.tensor(make_tiles(qb_req.tolist(), qpt), dtype=torch.int32, device=q_rows.device)
     if NQB == 0 or n_pages == 0 or tiles.numel() == 0:
@@ -155,6 +157,6 @@ def page_mass(q_rows: torch.Tensor, k_pool: torch.Tensor, page_table: torch.Tens
     _page_mass_kernel[(tiles.shape[0], H_kv)](
         q_rows, k_pool, page_table, qb_req, qb_cand, row_weight.contiguous(), tiles, out,
         k_pool.stride(0), k_pool.stride(1), page_table.stride(0), NQB, n_pages,
-        float(scale) * 1.4426950408889634, G=group_size, GP=GP, R=R, SD=SD, QPT=qpt, BN=BN, BK=BK,
+        float(scale) * 1.4426950408889634, G=group_size, GP=GP, R=R, RQ=RQ, SD=SD, QPT=qpt, BN=BN, BK=BK,
         IEEE=q_rows.dtype == torch.float32, num_warps=cfg.get("num_warps", 8), num_stages=cfg.get("num_stages", 2))
     return out

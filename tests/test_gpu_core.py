@@ -444,8 +444,8 @@ def test_triton_kernels_equal_references_on_gpu(seed):
 
 
 @pytest.mark.parametrize("seed", range(4))
-@pytest.mark.parametrize("stride", [8, 16])
-def test_antidiagonal_kernel_equals_reference_on_gpu(seed, stride):
+@pytest.mark.parametrize("stride,row_stride", [(8, 1), (16, 1), (8, 4)])
+def test_antidiagonal_kernel_equals_reference_on_gpu(seed, stride, row_stride):
     """XAttention's page-mass estimate (`xattention`, `mass_budget`): the Triton kernel, reading the bf16 pool
     through the page table, against its torch twin in float32 on the same inputs."""
     from sglang_compact.selectors.xattention import antidiagonal_page_mass, antidiagonal_rows
@@ -455,8 +455,8 @@ def test_antidiagonal_kernel_equals_reference_on_gpu(seed, stride):
     prefix = [int(x) for x in torch.randint(0, 40000, (B,), generator=g)]
     chunk = [int(x) for x in torch.randint(1, 1500, (B,), generator=g)]
     b = gpu_batch(prefix, chunk, hq, hkv, d, seed=seed, sparse_ranges=[(1, 40)] * B)
-    got = antidiagonal_page_mass(b, stride)                                   # the kernel (CUDA)
-    q_rows, weight = antidiagonal_rows(b, stride)
+    got = antidiagonal_page_mass(b, stride, row_stride)                       # the kernel (CUDA)
+    q_rows, weight = antidiagonal_rows(b, stride, row_stride)
     qb = b.device_qblocks()
     want = antidiagonal_naive.page_mass(q_rows, b.k_pool, b.page_table, qb["req"], qb["cand"], weight,
                                         hq // hkv, b.qblocks.max_pages, b.sm_scale / stride)

@@ -176,13 +176,14 @@ def test_store_kv_kernel_equals_reference(seed):
 
 
 @pytest.mark.parametrize("seed", SEEDS)
-@pytest.mark.parametrize("Hq,Hkv,D,S", [(6, 2, 32, 4), (4, 4, 16, 8), (14, 2, 16, 16), (3, 1, 32, 2)])
-def test_antidiagonal_page_mass_equals_reference(seed, Hq, Hkv, D, S):
+@pytest.mark.parametrize("Hq,Hkv,D,S,row_stride", [(6, 2, 32, 4, 1), (4, 4, 16, 8, 1), (14, 2, 16, 16, 1),
+                                                    (3, 1, 32, 2, 1), (6, 2, 32, 4, 2), (4, 2, 16, 2, 8)])
+def test_antidiagonal_page_mass_equals_reference(seed, Hq, Hkv, D, S, row_stride):
     P = 16
     case = random_geometry(seed, P=P)
     g = case["generator"]
     qb = case["qb"]
-    NQB, NKV, G, R = qb.count, qb.max_pages, Hq // Hkv, P // S
+    NQB, NKV, G, R = qb.count, qb.max_pages, Hq // Hkv, P // S // row_stride   # R: the scored rows
     GP = 1 << (G - 1).bit_length()
     q_rows = torch.randn(Hkv, NQB, GP, R, S * D, generator=g)
     q_rows[:, :, G:] = float("nan")                       # padded heads: never read into a result

@@ -216,3 +216,22 @@ def test_a_page_floor_keeps_at_least_min_pages_per_sparse_row(name):
     assert f.counts[:qb.windows].tolist() == want
     assert any(s and 12 < l + 1 and c < 12 for l, s, c in zip(qb.w_last, qb.w_sparse, a.counts.tolist()))
     assert (f.table | ~a.table).all()          # a superset of the plain selection
+
+
+def test_mass_budget_row_stride_scores_fewer_rows_and_stays_normalised():
+    """`row_stride` r: each q-block's estimate is the mean over its scored rows (the last of every r), still a
+    distribution over its candidates; r = 1 is the plain estimate; a stride that does not divide the rows of a
+    page is refused."""
+    b = batch(13)
+    plain = antidiagonal_page_mass(b, 4)
+    assert torch.equal(antidiagonal_page_mass(b, 4, 1), plain)
+    half = antidiagonal_page_mass(b, 4, 2)
+    cand = b.candidates()
+    has = cand.any(-1)
+    torch.testing.assert_close(half.sum(-1)[:, has], torch.ones_like(half.sum(-1)[:, has]), rtol=1e-5, atol=1e-5)
+    assert not (half * ~cand[None]).any()
+    assert not torch.allclose(half, plain)
+    sel = select(b, "mass_budget", row_stride=2, stride=4)
+    assert sel.counts.tolist() == make_selector(cfg("mass_budget", row_stride=2, stride=4)).row_pages(b)
+    with pytest.raises(ValueError, match="row stride"):
+        antidiagonal_page_mass(b, 4, 8)            # page 16 / stride 4 = 4 rows

@@ -116,7 +116,8 @@ def parse_args(argv=None, defaults: Mapping[str, Any] | None = None):
     p.add_argument("--budgets", default="0.1,0.2,0.3,0.4,0.5,1.0", help="fixed densities for budget_<d> methods")
     p.add_argument("--alpha", type=float, default=0.06, help="flashprefill alpha")
     p.add_argument("--query-stride", type=int, default=1,
-                   help="flashprefill / budget search: score every s-th query of each block (s times cheaper)")
+                   help="flashprefill / budget search: score every s-th query of each block; mass_budget: every "
+                        "s-th antidiagonal row (its row_stride); s times cheaper")
     p.add_argument("--xattn-threshold", type=float, default=0.9)
     p.add_argument("--xattn-stride", type=int, default=8)
     p.add_argument("--union-window", type=int, default=None, metavar="TOKENS",

@@ -35,6 +35,9 @@ class MassBudgetParams(SelectorParams):
     stride: int = param(8, lo=1, hi=16, power_of_two=True,
                         help="antidiagonal stride S of the mass estimate (a power of two <= 16 divides every "
                              "page size the config allows)")
+    row_stride: int = param(1, lo=1, hi=16, power_of_two=True,
+                            help="score the last of every r antidiagonal rows of a q-block (r times less search "
+                                 "work; must divide page_size / stride)")
 
 
 @register_selector("mass_budget", params=MassBudgetParams, fixes_row_lengths=True, priced_search=False,
@@ -46,7 +49,8 @@ class MassBudgetSelector(BudgetSelector):
 
     def select(self, batch, layer, summaries):
         cfg = self.config
-        scores = row_scores(antidiagonal_page_mass(batch, self.params.stride), batch)   # [H_kv, NW, NKV]
+        mass = antidiagonal_page_mass(batch, self.params.stride, self.params.row_stride)    # [H_q, NQB, NKV]
+        scores = row_scores(mass, batch)                                                     # [H_kv, NW, NKV]
         table, counts = top_pages_per_row(scores, batch, self.params.density, cfg.sink_blocks, cfg.recent_blocks,
                                           min_pages=self.params.min_pages)
         return Selection(table=table, counts=counts, scores=scores)

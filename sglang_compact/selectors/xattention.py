@@ -20,34 +20,39 @@ from sglang_compact.selectors.base import Selection, Selector, qblock_queries, t
 from sglang_compact.selectors.registry import SelectorParams, param, register_selector
 
 
-def antidiagonal_rows(batch, stride: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The q-blocks' queries as the antidiagonal reads them: ([H_kv, NQB, GP, R, S * D] in the queries' dtype,
-    row r = queries r*S+S-1 .. r*S of the q-block's page (flipped), query heads of each kv head's group padded
-    to GP = next power of two with zeros; float32 [NQB, R] each row's weight in its q-block's mean, 1 / the
-    q-block's rows that hold a query of this chunk, 0 for a row that holds none)."""
+def antidiagonal_rows(batch, stride: int, row_stride: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """The q-blocks' queries as the antidiagonal reads them: ([H_kv, NQB, GP, RQ, S * D] in the queries' dtype,
+    row u = queries u*S+S-1 .. u*S of the q-block's page (flipped), query heads of each kv head's group padded
+    to GP = next power of two with zeros; float32 [NQB, RQ] each row's weight in its q-block's mean, 1 / the
+    q-block's scored rows that hold a query of this chunk, 0 for a row that holds none). `row_stride` r scores
+    RQ = P / S / r rows, the last of every r (r times less search work)."""
     q_pad, q_valid = qblock_queries(batch, dtype=batch.q.dtype)               # [NQB, P, H_q, D]
     NQB, P, H_q, D = q_pad.shape
     S, H_kv, G = stride, batch.num_kv_heads, batch.group_size
     R, GP = P // S, 1 << max(G - 1, 0).bit_length()
-    rows = q_pad.reshape(NQB, R, S, H_kv, G, D).flip(2).permute(3, 0, 4, 1, 2, 5)   # [H_kv, NQB, G, R, S, D]
+    if R % row_stride:
+        raise ValueError(f"antidiagonal row stride {row_stride} must divide the {R} rows of a page "
+                         f"(page {P}, stride {S})")
+    keep = slice(row_stride - 1, None, row_stride)
+    rows = q_pad.reshape(NQB, R, S, H_kv, G, D)[:, keep].flip(2).permute(3, 0, 4, 1, 2, 5)   # [H_kv, NQB, G, RQ, S, D]
     if GP > G:
         rows = torch.nn.functional.pad(rows, (0, 0, 0, 0, 0, 0, 0, GP - G))
-    rows_ok = q_valid.reshape(NQB, R, S).any(-1)
+    rows_ok = q_valid.reshape(NQB, R, S).any(-1)[:, keep]
     weight = rows_ok / rows_ok.sum(-1, keepdim=True).clamp(min=1)
-    return rows.reshape(H_kv, NQB, GP, R, S * D), weight.to(torch.float32)
+    return rows.reshape(H_kv, NQB, GP, R // row_stride, S * D), weight.to(torch.float32)
 
 
-def antidiagonal_page_mass(batch, stride: int) -> torch.Tensor:
+def antidiagonal_page_mass(batch, stride: int, row_stride: int = 1) -> torch.Tensor:
     """float32 [H_q, NQB, NKV] estimated attention mass of each candidate page (0 elsewhere): the Triton
-    kernel on CUDA (`kernels/antidiagonal.py`), its torch twin elsewhere."""
+    kernel on CUDA (`kernels/antidiagonal.py`), its torch twin elsewhere. `row_stride`: `antidiagonal_rows`."""
     if batch.page_size % stride:
         raise ValueError(f"antidiagonal stride {stride} must divide the page size {batch.page_size}")
-    q_rows, weight = antidiagonal_rows(batch, stride)
+    q_rows, weight = antidiagonal_rows(batch, stride, row_stride)
     d = batch.device_qblocks()
     args = (q_rows, batch.k_pool, batch.page_table, d["req"], d["cand"], weight, batch.group_size,
             batch.qblocks.max_pages, batch.sm_scale / stride)
     if use_triton(batch.q) and antidiagonal_kernel.supports(batch.head_dim, batch.page_size, stride):
-        per_tile = antidiagonal_kernel.qblocks_per_tile(batch.group_size, batch.page_size // stride)
+        per_tile = antidiagonal_kernel.qblocks_per_tile(batch.group_size, q_rows.shape[3])
         tiles = batch.memo(("antidiagonal_tiles", per_tile), lambda: torch.tensor(
             antidiagonal_kernel.make_tiles(batch.qblocks.req, per_tile), dtype=torch.int32).to(
             batch.q.device, non_blocking=True))
