@@ -35,17 +35,19 @@ def page_mass(q_rows: torch.Tensor, k_pool: torch.Tensor, page_table: torch.Tens
     S = SD // D
     R = P // S
     out = torch.zeros(H_kv * G, NQB, n_pages, dtype=torch.float32, device=q_rows.device)
-    for q in range(NQB):
-        a = int(qb_cand[q])
+    req, cand = qb_req.tolist(), qb_cand.tolist()
+    for b in sorted(set(req)):
+        idx = torch.tensor([q for q in range(NQB) if req[q] == b], device=q_rows.device)
+        a = max(cand[q] for q in range(NQB) if req[q] == b)
         if a == 0:
             continue
-        b = int(qb_req[q])
-        pages = page_table[b, :a].long()
-        keys = k_pool[pages].to(torch.float32)                                     # [a, H_kv, P, D]
-        keys = keys.permute(1, 0, 2, 3).reshape(H_kv, a * R, S * D)                 # column c: keys c*S..c*S+S-1
-        qq = q_rows[:, q, :G].to(torch.float32)                                     # [H_kv, G, RQ, S*D]
-        s = torch.einsum("hgrd,hcd->hgrc", qq, keys) * scale
-        p = torch.softmax(s, dim=-1) * row_weight[q].to(torch.float32)[None, None, :, None]
-        mass = p.sum(dim=2).reshape(H_kv, G, a, R).sum(dim=-1)                      # [H_kv, G, a]
-        out[:, q, :a] = mass.reshape(H_kv * G, a)
+        keys = k_pool[page_table[b, :a].long()].to(torch.float32)               # [a, H_kv, P, D]
+        keys = keys.permute(1, 0, 2, 3).reshape(H_kv, a * R, S * D)             # column c: keys c*S..c*S+S-1
+        qq = q_rows[:, idx, :G].to(torch.float32)                               # [H_kv, n, G, RQ, S*D]
+        s = torch.einsum("hngrd,hcd->hngrc", qq, keys) * scale
+        ok = torch.arange(a * R, device=s.device)[None, :] < (qb_cand[idx].long() * R)[:, None]   # [n, cols]
+        s = s.masked_fill(~ok[None, :, None, None, :], float("-inf"))
+        p = torch.softmax(s, dim=-1).nan_to_num_(0.0) * row_weight[idx].to(torch.float32)[None, :, None, :, None]
+        mass = p.sum(dim=3).reshape(H_kv, len(idx), G, a, R).sum(dim=-1)       # [H_kv, n, G, a]
+        out[:, idx, :a] = mass.permute(0, 2, 1, 3).reshape(H_kv * G, len(idx), a)
     return out
