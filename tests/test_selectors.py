@@ -219,10 +219,10 @@ def test_a_page_floor_keeps_at_least_min_pages_per_sparse_row(name):
 
 
 def test_mass_budget_row_stride_scores_fewer_rows_and_stays_normalised():
-    """`row_stride` r: each q-block's estimate is the mean over its scored rows (the last of every r), still a
-    distribution over its candidates; r = 1 is the plain estimate; a stride that does not divide the rows of a
-    page is refused."""
-    b = batch(13)
+    """`row_stride` r: each q-block's estimate is the mean over its scored rows (its last row holding a query
+    and every r-th before it), still a distribution over its candidates, also for q-blocks the chunk cuts
+    short; r = 1 is the plain estimate; a stride that does not divide the rows of a page is refused."""
+    b = batch(13, chunk=(40, 17, 31))                      # the last q-block: 3 queries, all in row 0
     plain = antidiagonal_page_mass(b, 4)
     assert torch.equal(antidiagonal_page_mass(b, 4, 1), plain)
     half = antidiagonal_page_mass(b, 4, 2)

@@ -25,7 +25,8 @@ def antidiagonal_rows(batch, stride: int, row_stride: int = 1) -> tuple[torch.Te
     row u = queries u*S+S-1 .. u*S of the q-block's page (flipped), query heads of each kv head's group padded
     to GP = next power of two with zeros; float32 [NQB, RQ] each row's weight in its q-block's mean, 1 / the
     q-block's scored rows that hold a query of this chunk, 0 for a row that holds none). `row_stride` r scores
-    RQ = P / S / r rows, the last of every r (r times less search work)."""
+    RQ = P / S / r rows (r times less search work): the q-block's last row holding a query and every r-th row
+    before it, so a q-block cut short by the chunk's end still scores its queries."""
     q_pad, q_valid = qblock_queries(batch, dtype=batch.q.dtype)               # [NQB, P, H_q, D]
     NQB, P, H_q, D = q_pad.shape
     S, H_kv, G = stride, batch.num_kv_heads, batch.group_size
@@ -33,13 +34,20 @@ def antidiagonal_rows(batch, stride: int, row_stride: int = 1) -> tuple[torch.Te
     if R % row_stride:
         raise ValueError(f"antidiagonal row stride {row_stride} must divide the {R} rows of a page "
                          f"(page {P}, stride {S})")
-    keep = slice(row_stride - 1, None, row_stride)
-    rows = q_pad.reshape(NQB, R, S, H_kv, G, D)[:, keep].flip(2).permute(3, 0, 4, 1, 2, 5)   # [H_kv, NQB, G, RQ, S, D]
+    rows = q_pad.reshape(NQB, R, S, H_kv, G, D)
+    rows_ok = q_valid.reshape(NQB, R, S).any(-1)                                # [NQB, R]
+    RQ = R // row_stride
+    if row_stride > 1:   # rows last, last - r, ... (on the device: no host sync)
+        u = torch.arange(R, device=rows_ok.device)
+        last = torch.where(rows_ok, u, 0).amax(-1)
+        pick = last[:, None] - row_stride * torch.arange(RQ - 1, -1, -1, device=u.device)[None, :]   # [NQB, RQ]
+        rows_ok = rows_ok.gather(1, pick.clamp(min=0)) & (pick >= 0)
+        rows = rows.gather(1, pick.clamp(min=0)[:, :, None, None, None, None].expand(-1, -1, *rows.shape[2:]))
+    rows = rows.flip(2).permute(3, 0, 4, 1, 2, 5)                                # [H_kv, NQB, G, RQ, S, D]
     if GP > G:
         rows = torch.nn.functional.pad(rows, (0, 0, 0, 0, 0, 0, 0, GP - G))
-    rows_ok = q_valid.reshape(NQB, R, S).any(-1)[:, keep]
     weight = rows_ok / rows_ok.sum(-1, keepdim=True).clamp(min=1)
-    return rows.reshape(H_kv, NQB, GP, R // row_stride, S * D), weight.to(torch.float32)
+    return rows.reshape(H_kv, NQB, GP, RQ, S * D), weight.to(torch.float32)
 
 
 def antidiagonal_page_mass(batch, stride: int, row_stride: int = 1) -> torch.Tensor:
