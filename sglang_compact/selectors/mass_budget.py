@@ -36,8 +36,8 @@ class MassBudgetParams(SelectorParams):
                         help="antidiagonal stride S of the mass estimate (a power of two <= 16 divides every "
                              "page size the config allows)")
     row_stride: int = param(1, lo=1, hi=16, power_of_two=True,
-                            help="score the last of every r antidiagonal rows of a q-block (r times less search "
-                                 "work; must divide page_size / stride)")
+                            help="score every r-th antidiagonal row of a q-block, back from its last row holding a "
+                                 "query (r times less search work; must divide page_size / stride)")
 
 
 @register_selector("mass_budget", params=MassBudgetParams, fixes_row_lengths=True, priced_search=False,
