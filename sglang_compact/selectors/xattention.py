@@ -79,8 +79,6 @@ class XAttentionSelector(Selector):
     """Strided antidiagonal page scores, cumulative-mass threshold (XAttention)."""
 
     def select(self, batch, layer, summaries):
-        if batch.page_size % self.params.stride:
-            raise ValueError(f"xattention stride {self.params.stride} must divide the page size {batch.page_size}")
         mass = antidiagonal_page_mass(batch, self.params.stride)
         return Selection(mask=top_p_rows(mass, batch.candidates()[None].expand_as(mass), self.params.threshold),
                          scores=mass)
