@@ -141,6 +141,34 @@ def test_dense_pass_matches_reference(kernel, hq, hkv, d):
 
 
 @pytest.mark.parametrize("kernel", ["fa2", "fa3"])
+@pytest.mark.parametrize("hq,hkv,d,page", [(32, 8, 128, 64), (14, 2, 64, 32)])
+def test_pass_with_no_prefix_is_one_flashinfer_ragged_pass(kernel, hq, hkv, d, page):
+    """A dense pass in which no request has a cached prefix reads the chunks' own K/V: bit for bit a fresh
+    FlashInfer causal ragged plan over them (the kernel stock SGLang's FlashInfer backend runs there), for every
+    layer of the pass; without the chunk's K/V (or in another dtype) it reads them from the pool instead."""
+    b = gpu_batch([0, 0, 0], [1024, 300, 4096], hq, hkv, d, seed=21, page=page, sparse_ranges=[(0, 0)] * 3)
+    ex = executor(b, kernel)
+    ex.plan_forward(ForwardShape.of(b), b.page_table)
+    assert ex.mode == "dense"
+    ws = torch.empty(256 << 20, dtype=torch.uint8, device=DEV)
+    fresh = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD", backend=kernel)
+    cu = torch.tensor([0, 1024, 1324, 5420], dtype=torch.int32)
+    fresh.plan(cu, cu, hq, hkv, d, causal=True, sm_scale=b.sm_scale, q_data_type=b.q.dtype, kv_data_type=b.q.dtype)
+    want = reference_attention(b, b.full_table())
+    g = torch.Generator(device=DEV).manual_seed(5)
+    for layer in range(2):   # a second layer: other queries and keys under the same plan
+        q, k, v = (b.q, b.k_chunk, b.v_chunk) if layer == 0 else \
+            (torch.randn(t.shape, generator=g, device=DEV).to(t.dtype) for t in (b.q, b.k_chunk, b.v_chunk))
+        out = ex.run_dense(q, b.k_pool, b.v_pool, chunk_kv=(k, v))
+        assert torch.equal(out, fresh.run(q, k, v))
+    assert rel_err(ex.run(b, None), want) <= 1e-2            # `run` hands over the batch's chunk K/V
+    pooled = ex.run_dense(b.q, b.k_pool, b.v_pool)           # no chunk K/V: the pool, planned then
+    err = rel_err(pooled, want)
+    print(f"no-prefix {kernel} heads={hq}/{hkv} d={d}: pool fallback rel_err={err:.2e}")
+    assert err <= 1e-2
+
+
+@pytest.mark.parametrize("kernel", ["fa2", "fa3"])
 def test_dense_passes_of_a_32k_prompt_on_qwen_shapes(kernel):
     """The chunked prefill of one 32K prompt as a Qwen2.5-Coder-0.5B server runs it (14/2 heads x 64, page 32,
     chunk 1024): one executor re-planned for every pass, each pass against the plain-torch reference. On the

@@ -5,7 +5,8 @@ pool, in one of two ways fixed for the whole forward pass:
 
 * dense (no q-block reads a selection): each chunk against its whole context,
   read from the pool after the chunk's K/V were stored (`run_dense`: one causal
-  paged pass, what stock SGLang's fa3 backend runs);
+  paged pass, what stock SGLang's fa3 backend runs; with no cached prefix, the
+  chunk's own K/V may be read instead, as stock's FlashInfer backend does);
 * sparse: one causal paged pass over rows (kv head, window), each reading the
   pages of its `PagedIndices` (written per layer by the index kernel, into the
   executor's `index_buffers` when it has them); the pass's dense windows
@@ -101,8 +102,11 @@ class Executor(Protocol):
         ...
 
     def run_dense(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
-                  out: torch.Tensor | None = None) -> torch.Tensor:
-        """A dense pass's layer from its tensors alone (into `out` when given)."""
+                  out: torch.Tensor | None = None, chunk_kv: tuple[torch.Tensor, torch.Tensor] | None = None
+                  ) -> torch.Tensor:
+        """A dense pass's layer from its tensors alone (into `out` when given). `chunk_kv`: the chunk's own
+        K/V [T, H_kv, D] (also stored in the pool), which an executor may read instead of the pool in a pass
+        with no cached prefix."""
         ...
 
 

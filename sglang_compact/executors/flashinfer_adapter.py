@@ -48,6 +48,12 @@ def paged_wrapper(workspace: torch.Tensor, backend: str):
     return flashinfer().BatchPrefillWithPagedKVCacheWrapper(workspace, "HND", backend=backend)
 
 
+def ragged_wrapper(workspace: torch.Tensor, backend: str):
+    """Prefill over contiguous K/V [T, H_kv, D] ("NHD"): a chunk's own keys, as stock SGLang runs a pass with
+    no cached prefix."""
+    return flashinfer().BatchPrefillWithRaggedKVCacheWrapper(workspace, "NHD", backend=backend)
+
+
 def decode_wrapper(workspace: torch.Tensor, **buffers):
     """Decode over a head-major pool with tensor cores (CUDA-graph buffers in `buffers` when given)."""
     return flashinfer().BatchDecodeWithPagedKVCacheWrapper(workspace, "HND", use_tensor_cores=True, **buffers)

@@ -3,10 +3,13 @@
 Dense pass (no q-block reads a selection), planned once per forward pass: one
 causal paged pass over each request's whole context (prefix + chunk, the
 chunk's K/V already written into the pool), all heads, page ids of the
-head-major pool; on fa3 where the GPU has it. Per layer: one `run`, into the
-output buffer SGLang hands the backend when it does, nothing else. (Stock
-SGLang's FlashInfer backend runs ragged + paged + `merge_state` for the same
-result; stock fa3 runs one paged pass, as here.)
+head-major pool; on fa3 where the GPU has it. A pass in which no request has a
+cached prefix (a first chunk, every short prompt) instead runs one causal
+ragged pass over the chunks' own K/V, the kernel stock SGLang's FlashInfer
+backend runs for it. Per layer: one `run`, into the output buffer SGLang hands
+the backend when it does, nothing else. (Stock SGLang's FlashInfer backend
+runs ragged + paged + `merge_state` for a pass with a prefix; stock fa3 runs
+one paged pass, as here.)
 
 Sparse pass: the pool `[num_pages, H_kv, P, D]` is viewed as
 `[num_pages * H_kv, 1, P, D]`, so every row (kv head g, window w) is a
@@ -64,7 +67,9 @@ class FlashInferExecutor:
         self.workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=self.device)
         self._indices = torch.zeros(0, dtype=torch.int32, device=self.device)  # grown to the largest pass seen
         self._paged: dict[str, object] = {}
-        self._dense = None
+        self._dense = None          # paged wrapper of a dense pass
+        self._dense_ragged = None   # ragged wrapper of a dense pass with no cached prefix
+        self._page_table: torch.Tensor | None = None
         self._apart: tuple | None = None   # (wrapper, token indices) of the windows computed apart
         self.shape: ForwardShape | None = None
         self.index_buffers: IndexBuffers | None = None
@@ -97,6 +102,21 @@ class FlashInferExecutor:
     def _plan_dense(self, shape: ForwardShape, page_table: torch.Tensor) -> None:
         s = shape
         self.mode = "dense"
+        self._dense = self._dense_ragged = None
+        self._page_table = page_table
+        if any(s.prefix_lens):
+            self._plan_dense_paged(s, page_table)
+            return
+        if "ragged" not in self._paged:
+            self._paged["ragged"] = fi.ragged_wrapper(self.workspace, self.kernel)
+        w = self._paged["ragged"]
+        indptr = _i32(host_cumsum(s.chunk_lens))
+        fi.plan(w, indptr, indptr, s.num_q_heads, s.num_kv_heads, s.head_dim, causal=True, sm_scale=s.sm_scale,
+                q_data_type=s.dtype, kv_data_type=s.dtype)
+        self._dense_ragged = w
+
+    def _plan_dense_paged(self, shape: ForwardShape, page_table: torch.Tensor) -> None:
+        s = shape
         n = s.context_pages()
         # fa3 is not given empty rows (a request with nothing to attend to)
         kernel = self.kernel if all(n) else "fa2"
@@ -159,16 +179,25 @@ class FlashInferExecutor:
         if self.shape is None:
             raise RuntimeError(f"{type(self).__name__}.run before plan_forward")
         if self.mode == "dense":
-            return self.run_dense(batch.q, batch.k_pool, batch.v_pool)
+            chunk_kv = (batch.k_chunk, batch.v_chunk) if batch.k_chunk is not None else None
+            return self.run_dense(batch.q, batch.k_pool, batch.v_pool, chunk_kv=chunk_kv)
         if indices is None:
             raise ValueError("a sparse forward pass needs the layer's paged indices")
         return self._run_rows(batch, indices)
 
     def run_dense(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
-                  out: torch.Tensor | None = None) -> torch.Tensor:
-        """A dense pass's layer: q [T, H_q, D] against the contexts in the pool (the chunk's K/V stored)."""
+                  out: torch.Tensor | None = None, chunk_kv: tuple[torch.Tensor, torch.Tensor] | None = None
+                  ) -> torch.Tensor:
+        """A dense pass's layer: q [T, H_q, D] against the contexts in the pool (the chunk's K/V stored).
+        `chunk_kv`: the chunk's own K/V [T, H_kv, D], which a pass with no cached prefix attends to directly."""
         if self.mode != "dense":
             raise RuntimeError(f"{type(self).__name__}.run_dense in a {self.mode} forward pass")
+        if self._dense_ragged is not None:
+            if chunk_kv is not None and chunk_kv[0].dtype == q.dtype == self.shape.dtype:
+                return self._dense_ragged.run(q, chunk_kv[0], chunk_kv[1], out=out)
+            # the chunk's K/V not handed over (or stored in another dtype): read them from the pool
+            self._plan_dense_paged(self.shape, self._page_table)
+            self._dense_ragged = None
         return self._dense.run(q, (k_pool, v_pool), out=out)
 
     def _run_rows(self, batch: ChunkBatch, indices: PagedIndices) -> torch.Tensor:

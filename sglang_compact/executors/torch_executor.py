@@ -130,7 +130,8 @@ class TorchExecutor:
         return table_attention(batch, table).to(batch.q.dtype)
 
     def run_dense(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
-                  out: torch.Tensor | None = None) -> torch.Tensor:
+                  out: torch.Tensor | None = None, chunk_kv=None) -> torch.Tensor:
+        """Reads every context from the pool (`chunk_kv` is there too)."""
         s = self.shape
         if s is None:
             raise RuntimeError("TorchExecutor.run_dense before plan_forward")

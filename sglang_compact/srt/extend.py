@@ -203,7 +203,8 @@ class ExtendPlanner:
                 sel = self._select(md, q3, k_buf, v_buf, layer, li, summaries) if md.sparse else None
         if sel is None:
             out = compat.take_attention_output(fb, q3) if q3.dtype == q.dtype else None
-            o = rt.executor.run_dense(q3, k_buf, v_buf, out=out)
+            chunk_kv = (k.view(-1, H_kv, D), v.view(-1, H_kv, D)) if k is not None and v is not None else None
+            o = rt.executor.run_dense(q3, k_buf, v_buf, out=out, chunk_kv=chunk_kv)
         else:
             batch, sel = sel
             rt.telemetry.record(li, sel.density, sel.coverage)
