@@ -104,7 +104,13 @@ def _page_mass_kernel(q_rows, k_pool, page_table, qb_req, qb_cand, row_weight, t
         tl.store(out + o_row[:, None] + j[None, :], per_head, mask=o_ok[:, None] & (j < NKV)[None, :])
 
 
-def qblocks_per_tile(group_size: int, rows_per_page: int, target_rows: int = 128) -> int:
+#: launch parameters chosen on the H200 by scripts/gpu/tune_antidiagonal.py (each checked against the twin there):
+#: the fastest on the Qwen2.5-0.5B shape and within 17% of the fastest on the 128K 8B one
+#: (docs/results/tune_antidiagonal.md); BN is raised to a page's columns where a page has more
+DEFAULT_CONFIG = {"rows": 64, "BN": 128, "BK": 64, "num_warps": 8, "num_stages": 3}
+
+
+def qblocks_per_tile(group_size: int, rows_per_page: int, target_rows: int = DEFAULT_CONFIG["rows"]) -> int:
     """q-blocks per tile: as many as fill about `target_rows` rows (at least one; the rows are a power of
     two of at least 16, what tl.dot needs)."""
     per_qb = triton.next_power_of_2(group_size) * rows_per_page
@@ -145,18 +151,18 @@ def page_mass(q_rows: torch.Tensor, k_pool: torch.Tensor, page_table: torch.Tens
         raise ValueError(f"antidiagonal kernel: page {P}, stride {SD // D}, {RQ} rows per q-block: "
                          "not powers of two dividing the page")
     out = torch.zeros(H_kv * group_size, NQB, n_pages, dtype=torch.float32, device=q_rows.device)
-    cfg = config or {}
-    qpt = qblocks_per_tile(group_size, RQ, cfg.get("rows", 128))
-    if tiles is None or "rows" in cfg:
+    cfg = {**DEFAULT_CONFIG, **(config or {})}
+    qpt = qblocks_per_tile(group_size, RQ, cfg["rows"])
+    if tiles is None or (config and "rows" in config):
         tiles = torch.tensor(make_tiles(qb_req.tolist(), qpt), dtype=torch.int32, device=q_rows.device)
     if NQB == 0 or n_pages == 0 or tiles.numel() == 0:
         return out
     q_rows = q_rows.contiguous()
-    BN = cfg.get("BN", max(64, R))
-    BK = cfg.get("BK", min(64, SD))
+    BN = max(cfg["BN"], R)
+    BK = min(cfg["BK"], SD)
     _page_mass_kernel[(tiles.shape[0], H_kv)](
         q_rows, k_pool, page_table, qb_req, qb_cand, row_weight.contiguous(), tiles, out,
         k_pool.stride(0), k_pool.stride(1), page_table.stride(0), NQB, n_pages,
         float(scale) * 1.4426950408889634, G=group_size, GP=GP, R=R, RQ=RQ, SD=SD, QPT=qpt, BN=BN, BK=BK,
-        IEEE=q_rows.dtype == torch.float32, num_warps=cfg.get("num_warps", 8), num_stages=cfg.get("num_stages", 2))
+        IEEE=q_rows.dtype == torch.float32, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out

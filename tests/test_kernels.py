@@ -208,5 +208,7 @@ def test_antidiagonal_tiles_stay_within_a_request():
     req = [0, 0, 0, 1, 2, 2, 2, 2, 2]
     tiles = antidiagonal.make_tiles(req, 2)
     assert tiles == [(0, 2), (2, 1), (3, 1), (4, 2), (6, 2), (8, 1)]
-    assert antidiagonal.qblocks_per_tile(7, 4) == 4 and antidiagonal.qblocks_per_tile(1, 1) == 128
+    assert antidiagonal.qblocks_per_tile(7, 4, target_rows=128) == 4
+    assert antidiagonal.qblocks_per_tile(1, 1, target_rows=128) == 128
+    assert antidiagonal.qblocks_per_tile(7, 4) == antidiagonal.DEFAULT_CONFIG["rows"] // 32
     assert antidiagonal.qblocks_per_tile(1, 2, target_rows=4) == 8        # tl.dot needs 16 rows
