@@ -227,3 +227,34 @@ def test_compare_to_dense_matches_tasks_prompts_and_runner():
     md = R.render_markdown(rows)
     assert "## Against dense on the same tasks and prompts" in md and "Left out (dense near chance): h200: vt." in md
     assert "| compact-flashprefill | alpha=0.4 | h200 | 25 | 0.400 | 2 | 47.0 | 50.0 | 25 | -3.00 |" in md
+
+
+def test_rows_of_another_seed_compare_with_dense_of_that_seed():
+    """Prompts drawn with another seed are other prompts: their rows form groups of their own and are compared
+    with dense rows of the same seed only, and a later dense run of another seed does not become the reference
+    of the seed-0 rows (H200 session 16: a seed-1 dense run had re-paired seed-0 rows in the report)."""
+    def row(task, method, acc, seed=0, params=None):
+        r = dict(model="m", task=task, length=16384, method=method, params=params or {}, n=50, accuracy=acc,
+                 density=None if method == "dense" else 0.4, date="2026-12-02", device="h200")
+        if seed:
+            r["seed"] = seed
+        return r
+
+    mb = {"density": 0.33}
+    rows = [row("a", "dense", 90.0), row("a", "compact-mass_budget", 80.0, params=mb),
+            row("a", "compact-mass_budget", 88.0, params={"density": 0.5}),
+            row("a", "dense", 70.0, seed=1), row("a", "compact-mass_budget", 66.0, seed=1, params=mb)]
+    by = {(c.method, c.params): c for c in R.compare_to_dense(rows)[0]}
+    assert by[("compact-mass_budget", "density=0.33")].diff == -10.0
+    assert by[("compact-mass_budget", "density=0.5")].diff == -2.0
+    assert by[("compact-mass_budget", "density=0.33, seed=1")].diff == -4.0
+
+
+def test_accuracy_rows_carry_the_seed_of_their_prompts():
+    from harness.eval.rows import accuracy_rows
+    rec = dict(task="a", length=4096, score=1.0, all_found=1, seconds=0.1, num_tokens=4000)
+    kw = dict(model="m", method="dense", params={}, device="h200", tasks=["a"], lengths=[4096])
+    assert "seed" not in accuracy_rows([dict(rec, seed=0)], **kw)[0]
+    assert accuracy_rows([dict(rec, seed=1), dict(rec, seed=1)], **kw)[0]["seed"] == 1
+    with pytest.raises(ValueError, match="several seeds"):
+        accuracy_rows([dict(rec, seed=1), dict(rec, seed=2)], **kw)

@@ -41,8 +41,16 @@ def params_label(params: dict[str, Any] | None) -> str:
     return ", ".join(f"{k}={v}" for k, v in sorted(params.items()))
 
 
+def _seed(r: dict[str, Any]) -> int:
+    """The prompts' seed (rows without one: seed 0)."""
+    return int(r.get("seed", 0))
+
+
 def _key(r: dict[str, Any]) -> tuple:
-    return (r["model"], int(r["length"]), r["method"], params_label(r.get("params")), r["device"])
+    label = params_label(r.get("params"))
+    if _seed(r):   # another seed's prompts: a group of its own
+        label = f"{label}, seed={_seed(r)}" if label else f"seed={_seed(r)}"
+    return (r["model"], int(r["length"]), r["method"], label, r["device"])
 
 
 def latest(rows: list[dict[str, Any]]) -> "OrderedDict[tuple, dict[str, dict]]":
@@ -92,13 +100,14 @@ def compare_to_dense(rows: list[dict[str, Any]], min_n: int = MIN_N, chance: flo
 
     The reference for a method's row is the latest dense row of the same model, length, device and task, from
     the same runner when there is one (the HF runner's dense for HF rows) else the server's, and with the same
-    `n` when there is one: runs of one seed share their first prompts, so equal `n` means the same prompts.
+    `n` when there is one: runs of one seed share their first prompts, so equal `n` means the same prompts; and
+    always of the same seed (`seed`, absent for 0).
     Rows with `n < min_n` are left out. Returns the comparisons and, per (model, length, device), the tasks
     left out because the dense reference is near chance there (below `chance` percent)."""
     dense: dict[tuple, dict] = {}
     for r in rows:
         if r["method"] == "dense" and r["n"] >= min_n:
-            base = (r["model"], int(r["length"]), r["device"], _runner(r), r["task"])
+            base = (r["model"], int(r["length"]), r["device"], _runner(r), r["task"], _seed(r))
             dense[base + (r["n"],)] = r
             dense[base + (None,)] = r
     near_chance: dict[tuple, list[str]] = {}
@@ -108,7 +117,7 @@ def compare_to_dense(rows: list[dict[str, Any]], min_n: int = MIN_N, chance: flo
 
     def reference(r: dict[str, Any]) -> dict | None:
         for runner in dict.fromkeys((_runner(r), "server")):
-            base = (r["model"], int(r["length"]), r["device"], runner, r["task"])
+            base = (r["model"], int(r["length"]), r["device"], runner, r["task"], _seed(r))
             ref = dense.get(base + (r["n"],)) or dense.get(base + (None,))
             if ref is not None:
                 return ref

@@ -48,6 +48,11 @@ def accuracy_rows(recs: list[dict[str, Any]], *, model: str, method: str, params
                 "seconds_per_sample": round(sum(r["seconds"] for r in rs) / len(rs), 2),
                 "mean_prompt_tokens": round(sum(r["num_tokens"] for r in rs) / len(rs), 1),
             })
+            seeds = {int(r.get("seed", 0)) for r in rs}
+            if seeds != {0}:   # prompts of another seed: compared with dense rows of the same seed only
+                if len(seeds) > 1:
+                    raise ValueError(f"{t} at {L}: records of several seeds {sorted(seeds)} in one row")
+                rows[-1]["seed"] = seeds.pop()
             recalls = [r["server_recall"] for r in rs if r.get("server_recall") is not None]
             if recalls:   # servers run with --compact-recall-every: the mass their selections read
                 rows[-1]["recall"] = round(sum(recalls) / len(recalls), 4)
