@@ -128,12 +128,13 @@ def main() -> int:
              "| selector | rows kernel | plan | host ms / layer | CUDA kernels / layer |", "| --- | --- | --- | --- | --- |"]
     lines += [f"| {r['selector']} | {r['kernel']} | {r['mode']} | {r['host_ms_per_layer']:.3f} | "
               f"{r['kernels_per_layer']:.1f} |" for r in results]
+    summary = len(lines)   # the title, the command and the per-selector table
     for r in results:
         lines += ["", f"## {r['selector']}: top functions by own time (per layer)", "",
                   "| function | calls | own us | cumulative us |", "| --- | --- | --- | --- |"]
         lines += [f"| `{t['fn']}` | {t['calls']:.1f} | {t['own_us']:.1f} | {t['cum_us']:.1f} |" for t in r["top"]]
     (out / "host_profile.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines[:8 + len(results)]))
+    print("\n".join(lines[:summary]))
     return 0
 
 
