@@ -124,6 +124,7 @@ def supports(head_dim: int, page_size: int, query_stride: int = 1) -> bool:
     return D >= 16 and not D & (D - 1) and page_size % max(query_stride, 1) == 0 and BQS >= 16 and not BQS & (BQS - 1)
 
 
+# the scores' kernels write every cell of their output (zeros past a q-block's candidates): it is not cleared
 def _launch(mode, q, qb, page_table, key_sum, count, sm_scale, num_kv_heads, n_pages, query_stride, config,
             alpha=0.0, out=None, page_size=None):
     T, H_q, D = q.shape
@@ -153,7 +154,7 @@ def block_scores(q: torch.Tensor, qb: dict, page_table: torch.Tensor, key_sum: t
                  query_stride: int = 1, config: dict | None = None, page_size: int | None = None) -> torch.Tensor:
     """Same contract as `flashprefill_naive.block_scores` (`page_size`: the q-block size, required)."""
     H = num_kv_heads if group_max else q.shape[1]
-    out = torch.zeros(H, qb["cand"].numel(), n_pages, dtype=torch.float32, device=q.device)
+    out = torch.empty(H, qb["cand"].numel(), n_pages, dtype=torch.float32, device=q.device)
     _launch(GROUP_SCORES if group_max else SCORES, q, qb, page_table, key_sum, count, sm_scale, num_kv_heads,
             n_pages, query_stride, config, out=out, page_size=page_size)
     return out
@@ -163,7 +164,7 @@ def ratio_scores(q: torch.Tensor, qb: dict, page_table: torch.Tensor, key_sum: t
                  sm_scale: float, num_kv_heads: int, n_pages: int, query_stride: int = 1, config: dict | None = None,
                  page_size: int | None = None) -> torch.Tensor:
     """Same contract as `flashprefill_naive.ratio_scores`."""
-    out = torch.zeros(num_kv_heads, qb["cand"].numel(), n_pages, dtype=torch.float32, device=q.device)
+    out = torch.empty(num_kv_heads, qb["cand"].numel(), n_pages, dtype=torch.float32, device=q.device)
     _launch(GROUP_RATIO, q, qb, page_table, key_sum, count, sm_scale, num_kv_heads, n_pages, query_stride, config,
             out=out, page_size=page_size)
     return out

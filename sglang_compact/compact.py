@@ -14,7 +14,7 @@ import torch
 
 from sglang_compact.batch import ChunkBatch
 from sglang_compact.config import CompactConfig
-from sglang_compact.indices import IndexBuffers, PagedIndices, build_indices
+from sglang_compact.indices import IndexBuffers, PagedIndices, build_indices, top_pages_indices
 from sglang_compact.selectors import make_selector
 from sglang_compact.selectors.base import Selection, forced_count, row_budget, row_scores, top_pages_per_row
 from sglang_compact.summaries import LayerSummaries
@@ -83,13 +83,23 @@ class CompactAttention:
             raise ValueError(f"CompactConfig.block_size={cfg.block_size} differs from the KV page size {batch.page_size}")
         if summaries is None and self.uses_summaries:
             summaries = LayerSummaries.from_pool(batch.k_pool, batch.page_table, batch.context_lens_cpu())
-        if fill is not None:
+        if fill is not None:   # the counts have the density cap in them
             sel = self.selector.fill(batch, layer, summaries, *fill)
-            indices = build_indices(sel.table, sel.counts, batch, buffers)
-            return PageSelection(sel.table, sel.counts, indices, row_density(sel.counts, batch) if with_stats else None)
+            table, indices = top_pages_indices(sel.ranked, sel.counts, batch, cfg.sink_blocks, cfg.recent_blocks,
+                                               sel.per_qblock, buffers)
+            return PageSelection(table, sel.counts, indices, row_density(sel.counts, batch) if with_stats else None)
         sel = self.selector.select(batch, layer, summaries)
-        table, counts = (sel.table, sel.counts) if sel.table is not None else \
-            union_table(sel.mask, batch, cfg.sink_blocks, cfg.recent_blocks)
+        if sel.ranked is not None and cfg.density_cap is None:   # fixed row lengths: one kernel to the indices
+            table, indices = top_pages_indices(sel.ranked, sel.counts, batch, cfg.sink_blocks, cfg.recent_blocks,
+                                               sel.per_qblock, buffers)
+            return PageSelection(table, sel.counts, indices, row_density(sel.counts, batch) if with_stats else None)
+        if sel.ranked is not None:
+            table, counts = top_pages_indices(sel.ranked, sel.counts, batch, cfg.sink_blocks, cfg.recent_blocks,
+                                              sel.per_qblock)[0], sel.counts
+        elif sel.table is not None:
+            table, counts = sel.table, sel.counts
+        else:
+            table, counts = union_table(sel.mask, batch, cfg.sink_blocks, cfg.recent_blocks)
         coverage = None
         if cfg.density_cap is not None:
             capped, counts = self._cap(sel, table, batch)

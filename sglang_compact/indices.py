@@ -22,7 +22,8 @@ import torch
 
 from sglang_compact.batch import ChunkBatch
 from sglang_compact.kernels import indices as indices_kernel
-from sglang_compact.kernels import indices_naive, use_triton
+from sglang_compact.kernels import indices_naive, top_pages_naive, use_triton
+from sglang_compact.kernels import top_pages as top_pages_kernel
 
 
 @dataclass
@@ -66,8 +67,15 @@ class IndexBuffers:
 
 
 def index_bound(batch: ChunkBatch) -> int:
-    """Host bound on the pages all rows' indices name: every sparse row dense."""
-    return batch.num_kv_heads * sum(batch.qblocks.rows_bound())
+    """Host bound on the pages all rows' indices name: every sparse row dense (once per batch)."""
+    return batch.memo(("index_bound",), lambda: batch.num_kv_heads * sum(batch.qblocks.rows_bound()))
+
+
+def _out(batch: ChunkBatch, buffers: IndexBuffers | None):
+    if buffers is None:
+        return None
+    buffers.check_fits(batch.num_rows, index_bound(batch))
+    return buffers.kv_indptr, buffers.kv_indices
 
 
 def rows_table(table: torch.Tensor, counts: torch.Tensor, batch: ChunkBatch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -96,11 +104,31 @@ def build_indices(table: torch.Tensor, counts: torch.Tensor, batch: ChunkBatch,
     R = batch.num_rows
     row_req = batch.device_qblocks()["w_req"]
     if use_triton(table):
-        out = None
-        if buffers is not None:
-            buffers.check_fits(R, index_bound(batch))
-            out = (buffers.kv_indptr, buffers.kv_indices)
-        kv_indptr, kv_indices = indices_kernel.build_indices(table, counts, batch.page_table, row_req, out=out)
+        kv_indptr, kv_indices = indices_kernel.build_indices(table, counts, batch.page_table, row_req,
+                                                             out=_out(batch, buffers))
     else:
         kv_indptr, kv_indices = indices_naive.build_indices(table, counts, batch.page_table, row_req)
     return PagedIndices(kv_indptr, kv_indices, R)
+
+
+def top_pages_indices(ranked: torch.Tensor, counts: torch.Tensor, batch: ChunkBatch, sink_blocks: int,
+                      recent_blocks: int, per_qblock: bool = True, buffers: IndexBuffers | None = None
+                      ) -> tuple[torch.Tensor, PagedIndices]:
+    """Rows of a fixed length from scores, straight to paged indices (`kernels/top_pages.py`): row r keeps
+    exactly counts[r] pages, its forced pages first, then its best-scoring candidates (ties: lower pages);
+    a dense window's row reads every page (its indices its own pages only, when computed apart).
+
+    Args:
+        ranked: float [H_kv * GS, NQB (per_qblock) or NW, NKV]: a row's score of a page is the best over its
+            kv head's GS score rows and its window's q-blocks.
+        counts: int32 [H_kv * NW] on the device (a dense window's: last + 1).
+    Returns:
+        table bool [H_kv, NW, NKV] (a dense window's row: every page 0..last), the rows' paged indices.
+    """
+    args = (ranked, batch.device_qblocks(), counts, batch.page_table, batch.num_kv_heads, sink_blocks,
+            recent_blocks, per_qblock, batch.qblocks.any_sparse)
+    if use_triton(ranked) and top_pages_kernel.supports(ranked.shape[-1]):
+        table, kv_indptr, kv_indices = top_pages_kernel.top_pages(*args, out=_out(batch, buffers))
+    else:
+        table, kv_indptr, kv_indices = top_pages_naive.top_pages(*args)
+    return table, PagedIndices(kv_indptr, kv_indices, batch.num_rows)

@@ -471,6 +471,35 @@ def test_triton_kernels_equal_references_on_gpu(seed):
         torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-3)
 
 
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("context,page", [(131072, 64), (65536, 16), (20000, 32)])
+def test_top_pages_kernel_equals_reference_on_gpu(seed, context, page):
+    """Rows of a fixed length ranked to paged indices in one kernel, at real row widths (2048, 4096 and 625
+    pages): the same table and indices as the plain-torch twin, ties included."""
+    from sglang_compact.kernels import top_pages, top_pages_naive
+    from sglang_compact.selectors.base import budget_row_pages
+    g = torch.Generator().manual_seed(seed)
+    hkv, G = [1, 2, 8][seed % 3], [1, 4][seed % 2]
+    B = 1 + seed % 2
+    prefix = [context - 1024 - int(x) // page * page for x in torch.randint(0, 4096, (B,), generator=g)]
+    chunk = [1024] * B
+    qb = QBlocks.build(prefix, chunk, page, 1024 // page, [(1, 1 << 30)] * B)
+    d = qb.on(DEV)
+    pt = torch.randperm(B * qb.max_pages + 3, generator=g)[:B * qb.max_pages].view(B, -1).to(torch.int32).to(DEV)
+    b = dataclasses.replace(gpu_batch([64], [64], 2, 1, 64, seed=0), qblocks=qb, page_table=pt,
+                            prefix_lens_cpu=prefix, chunk_lens_cpu=chunk, derived={})
+    counts = torch.tensor(budget_row_pages(b, [0.1, 0.3][seed % 2], 2, 4) * hkv, dtype=torch.int32).to(DEV)
+    for per_qblock in (True, False):
+        S2 = qb.count if per_qblock else qb.windows
+        scores = torch.rand(hkv * G, S2, qb.max_pages, generator=g)
+        scores[..., ::7] = 0.5                                     # ties
+        scores = scores.to(DEV)
+        args = (scores, d, counts, pt, hkv, 2, 4, per_qblock, True)
+        t, kp, ki = top_pages.top_pages(*args)
+        tn, kpn, kin = top_pages_naive.top_pages(*args)
+        assert torch.equal(t, tn) and torch.equal(kp, kpn) and torch.equal(ki[:int(kpn[-1])], kin)
+
+
 @pytest.mark.parametrize("seed", range(4))
 @pytest.mark.parametrize("stride,row_stride", [(8, 1), (16, 1), (8, 4)])
 def test_antidiagonal_kernel_equals_reference_on_gpu(seed, stride, row_stride):

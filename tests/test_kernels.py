@@ -212,3 +212,54 @@ def test_antidiagonal_tiles_stay_within_a_request():
     assert antidiagonal.qblocks_per_tile(1, 1, target_rows=128) == 128
     assert antidiagonal.qblocks_per_tile(7, 4) == antidiagonal.DEFAULT_CONFIG["rows"] // 32
     assert antidiagonal.qblocks_per_tile(1, 2, target_rows=4) == 8        # tl.dot needs 16 rows
+
+
+def fixed_row_counts(qb, H_kv, sink, recent, generator):
+    """int32 [H_kv * NW]: a random length per sparse row between its forced pages and its context, last + 1
+    for a dense one."""
+    from sglang_compact.selectors.base import forced_count
+    out = []
+    for _ in range(H_kv):
+        for f, la, s in zip(qb.w_first, qb.w_last, qb.w_sparse):
+            lo = forced_count(f, la, sink, recent) if s else la + 1
+            out.append(int(torch.randint(lo, la + 2, (1,), generator=generator)))
+    return torch.tensor(out, dtype=torch.int32)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("GS,per_qblock,apart", [(1, True, True), (3, True, True), (1, False, True), (2, False, False)])
+def test_top_pages_equal_reference(seed, GS, per_qblock, apart):
+    from sglang_compact.kernels import top_pages, top_pages_naive
+    case = random_geometry(seed)
+    qb = case["qb"]
+    d = qb.on("cpu")
+    H_kv, g = 2, case["generator"]
+    counts = fixed_row_counts(qb, H_kv, 1, 2, g)
+    S2 = qb.count if per_qblock else qb.windows
+    # few distinct values: ties are common, and both keep the lowest tied pages
+    scores = torch.randint(0, 4, (H_kv * GS, S2, qb.max_pages), generator=g).float()
+    args = (scores, d, counts, case["page_table"], H_kv, 1, 2, per_qblock, apart)
+    table, kp, ki = top_pages.top_pages(*args)
+    t_ref, kp_ref, ki_ref = top_pages_naive.top_pages(*args)
+    n = int(kp_ref[-1])
+    assert torch.equal(table, t_ref) and torch.equal(kp, kp_ref) and torch.equal(ki[:n], ki_ref)
+    for r, c in enumerate(counts.tolist()):          # a sparse row reads exactly its count
+        w = r % qb.windows
+        if qb.w_sparse[w]:
+            assert int(table.view(-1, qb.max_pages)[r].sum()) == c
+            assert int(kp[r + 1] - kp[r]) == c
+        else:
+            assert int(kp[r + 1] - kp[r]) == qb.w_last[w] + 1 - (qb.w_first[w] if apart else 0)
+
+
+def test_top_pages_keeps_the_best_scores():
+    """The reference itself: one window, the forced pages, then the best candidates, ties lowest first."""
+    from sglang_compact.batch import QBlocks
+    from sglang_compact.kernels import top_pages_naive
+    qb = QBlocks.build([8 * 16], [16], 16, window_pages=1)           # 8 candidate pages, window page 8
+    d = qb.on("cpu")
+    scores = torch.tensor([[[0., 5., 1., 7., 3., 3., 2., 0., 0.]]])  # [1, NQB=1, 9]
+    # sink 1 (page 0), recent 1 (page 7), window page 8: 3 forced; 3 more: 7 (page 3), 5 (page 1), 3 (page 4)
+    table, kp, ki = top_pages_naive.top_pages(scores, d, torch.tensor([6]), torch.arange(9)[None].int(), 1, 1, 1)
+    assert table[0, 0].nonzero().flatten().tolist() == [0, 1, 3, 4, 7, 8]
+    assert kp.tolist() == [0, 6] and ki.tolist() == [0, 1, 3, 4, 7, 8]

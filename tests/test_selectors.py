@@ -6,6 +6,7 @@ import torch
 
 from harness.synthetic import batch_summaries, random_batch
 from sglang_compact.config import CompactConfig
+from sglang_compact.indices import top_pages_indices
 from sglang_compact.selectors import make_selector, selector_names
 from sglang_compact.selectors.oracle import page_attention_mass
 from sglang_compact.selectors.xattention import antidiagonal_page_mass
@@ -28,6 +29,13 @@ def select(b, name, layer=0, **params):
     return make_selector(cfg(name, **params)).select(b, layer, batch_summaries(b))
 
 
+def rows(sel, b, config):
+    """The rows' table of a selection that fixes them (`table`, or `ranked` rows kept to their counts)."""
+    if sel.table is not None:
+        return sel.table
+    return top_pages_indices(sel.ranked, sel.counts, b, config.sink_blocks, config.recent_blocks, sel.per_qblock)[0]
+
+
 def test_registry_has_every_built_in_selector():
     assert BUILT_IN <= set(selector_names())
 
@@ -44,9 +52,10 @@ def test_selections_are_shaped_and_stay_in_their_candidates(name):
         # a q-block with candidates keeps at least one
         assert (sel.mask.any(-1) | ~b.candidates().any(-1)[None]).all()
     else:
-        assert sel.table.shape == (2, qb.windows, qb.max_pages)
-        assert not (sel.table & ~b.full_table()).any()
-        assert torch.equal(sel.counts, sel.table.sum(-1, dtype=torch.int32).reshape(-1))
+        table = rows(sel, b, cfg(name))
+        assert table.shape == (2, qb.windows, qb.max_pages)
+        assert not (table & ~b.full_table()).any()
+        assert torch.equal(sel.counts, table.sum(-1, dtype=torch.int32).reshape(-1))
 
 
 def test_dense_selects_every_page():
@@ -60,7 +69,7 @@ def test_summaries_kept_by_the_kv_store_equal_summaries_of_the_pool():
     s = make_selector(cfg("flashprefill"))
     assert torch.equal(s.select(b, 0, from_pool).mask, s.select(b, 0, batch_summaries(b)).mask)
     s = make_selector(cfg("budget"))
-    assert torch.equal(s.select(b, 0, from_pool).table, s.select(b, 0, batch_summaries(b)).table)
+    assert torch.equal(s.select(b, 0, from_pool).ranked, s.select(b, 0, batch_summaries(b)).ranked)
 
 
 @pytest.mark.parametrize("top_p", [0.5, 0.9, 0.99])
@@ -190,10 +199,12 @@ def test_mass_budget_finds_a_needle_page_that_mean_keys_dilute():
         k[pages[j], :, 8:] = -0.8 * direction.to(k.dtype)
     config = dict(block_size=P, sink_blocks=0, recent_blocks=0, selector_params={"density": 0.4})
     summaries = LayerSummaries.from_pool(b.k_pool, b.page_table, b.context_lens_cpu())
-    mass = make_selector(CompactConfig(selector="mass_budget", **config)).select(b, 0, summaries)
-    mean = make_selector(CompactConfig(selector="budget", **config)).select(b, 0, summaries)
-    assert mass.table[0, 0, needle_pages].all()
-    assert not mean.table[0, 0, needle_pages].any()
+    tables = {}
+    for name in ("mass_budget", "budget"):
+        c = CompactConfig(selector=name, **config)
+        tables[name] = rows(make_selector(c).select(b, 0, summaries), b, c)
+    assert tables["mass_budget"][0, 0, needle_pages].all()
+    assert not tables["budget"][0, 0, needle_pages].any()
 
 
 @pytest.mark.parametrize("name", ["budget", "mass_budget"])

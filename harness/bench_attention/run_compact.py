@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 from harness.bench_attention.methods import Method, selector_config
 from sglang_compact.compact import CompactAttention
-from sglang_compact.indices import build_indices
+from sglang_compact.indices import build_indices, top_pages_indices
 from sglang_compact.selectors.base import Selection
 from sglang_compact.union import union_table
 
@@ -24,6 +24,9 @@ def rows_table(run: ConfigRun, ca: CompactAttention, sel: Selection):
     if sel.table is not None:
         return sel.table, sel.counts
     cfg = ca.config
+    if sel.ranked is not None:
+        return top_pages_indices(sel.ranked, sel.counts, run.b, cfg.sink_blocks, cfg.recent_blocks,
+                                 sel.per_qblock)[0], sel.counts
     return union_table(sel.mask, run.b, cfg.sink_blocks, cfg.recent_blocks)
 
 
@@ -83,7 +86,15 @@ def run_compact(run: ConfigRun, m: Method, row: dict):
     row["search_ms"] = search_ms
     if sel.mask is not None:
         row["union_ms"] = t.device_ms(lambda: union_table(sel.mask, b, cfg.sink_blocks, cfg.recent_blocks))
-    table, counts = rows_table(run, ca, sel)
-    row["index_ms"] = t.device_ms(lambda: build_indices(table, counts, b, buffers))
-    indices = build_indices(table, counts, b, buffers)
+    if sel.ranked is not None:   # the rows' ranking, table and indices: one kernel
+        def index():
+            return top_pages_indices(sel.ranked, sel.counts, b, cfg.sink_blocks, cfg.recent_blocks, sel.per_qblock,
+                                     buffers)[1]
+    else:
+        table, counts = rows_table(run, ca, sel)
+
+        def index():
+            return build_indices(table, counts, b, buffers)
+    row["index_ms"] = t.device_ms(index)
+    indices = index()
     row["attn_ms"] = t.device_ms(lambda: ex.run(b, indices))

@@ -5,7 +5,7 @@
     python3 scripts/gpu/host_profile.py --out $OUT/host_profile
 
 For each selector (`budget` 0.3 on fa3 rows planned once, `mass_budget` 0.33 on fa3 rows, `flashprefill` on fa2
-rows) one sparse forward pass of Llama-3.1-8B heads (32/8 x 128, page 64) is planned at a size where launches,
+rows, and `flashprefill` with `fix_rows` on fa3 rows: a layer after the observing one, filling its rows) one sparse forward pass of Llama-3.1-8B heads (32/8 x 128, page 64) is planned at a size where launches,
 not kernels, bound a layer (context 4096, chunk 256: the size `calibrate_gate.py` takes its host time at), and
 then a layer as the server runs it is called back to back: the layer's batch (`ExtendPlanner._layer_batch`),
 `CompactAttention.select_pages` and `executor.run`, with no sync between layers. Reported per selector:
@@ -41,7 +41,7 @@ from sglang_compact.executors import ForwardShape  # noqa: E402
 from sglang_compact.executors.flashinfer_executor import make_flashinfer_executor  # noqa: E402
 
 SELECTORS = (("budget", {"density": 0.3}, "fa3"), ("mass_budget", {"density": 0.33}, "fa3"),
-             ("flashprefill", {"alpha": 0.4}, "fa2"))
+             ("flashprefill", {"alpha": 0.4}, "fa2"), ("flashprefill", {"alpha": 0.4, "fix_rows": True}, "fa3"))
 
 
 def make_layer(selector: str, params: dict, kernel: str, context: int, chunk: int):
@@ -51,11 +51,15 @@ def make_layer(selector: str, params: dict, kernel: str, context: int, chunk: in
     s = batch_summaries(b)
     ca = CompactAttention(CompactConfig(block_size=64, selector=selector, selector_params=params))
     ex = make_flashinfer_executor(kernel, "cuda", b.num_rows, b.num_rows * b.qblocks.max_pages)
-    ex.plan_forward(ForwardShape.of(b, ca.row_pages(b)), b.page_table)
+    row_pages, fill = ca.row_pages(b), None
+    if params.get("fix_rows"):   # a later layer of the pass: rows filled to the observing layer's counts
+        row_pages = ca.select_pages(b, 1, s).counts.tolist()
+        fill = (torch.tensor(row_pages, dtype=torch.int32, device="cuda"), max(row_pages))
+    ex.plan_forward(ForwardShape.of(b, row_pages), b.page_table)
 
     def layer():
         batch = dataclasses.replace(b, q=b.q, k_pool=b.k_pool, v_pool=b.v_pool, sm_scale=b.sm_scale)
-        sel = ca.select_pages(batch, 3, s, buffers=ex.index_buffers, with_stats=False)
+        sel = ca.select_pages(batch, 3, s, buffers=ex.index_buffers, with_stats=False, fill=fill)
         return ex.run(batch, sel.indices)
 
     return layer, ex.mode
@@ -119,18 +123,19 @@ def main() -> int:
                  host_ms_per_layer=ms, kernels_per_layer=kernels_per_layer(layer),
                  top=top_functions(layer, a.layers, a.top))
         results.append(r)
-        print(f"{selector} ({kernel}, {mode}): host {ms:.3f} ms per layer, {r['kernels_per_layer']:.1f} kernels",
+        print(f"{selector} {params} ({kernel}, {mode}): host {ms:.3f} ms per layer, {r['kernels_per_layer']:.1f} kernels",
               flush=True)
     meta = dict(gpu=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                 command="python3 scripts/gpu/host_profile.py " + " ".join(sys.argv[1:]))
     (out / "host_profile.json").write_text(json.dumps(dict(meta, results=results), indent=1))
     lines = [f"# Sparse path host time per layer ({meta['gpu']}, {meta['date']})", "", f"`{meta['command']}`", "",
-             "| selector | rows kernel | plan | host ms / layer | CUDA kernels / layer |", "| --- | --- | --- | --- | --- |"]
-    lines += [f"| {r['selector']} | {r['kernel']} | {r['mode']} | {r['host_ms_per_layer']:.3f} | "
-              f"{r['kernels_per_layer']:.1f} |" for r in results]
+             "| selector | parameters | rows kernel | plan | host ms / layer | CUDA kernels / layer |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    lines += [f"| {r['selector']} | {json.dumps(r['params'])} | {r['kernel']} | {r['mode']} | "
+              f"{r['host_ms_per_layer']:.3f} | {r['kernels_per_layer']:.1f} |" for r in results]
     summary = len(lines)   # the title, the command and the per-selector table
     for r in results:
-        lines += ["", f"## {r['selector']}: top functions by own time (per layer)", "",
+        lines += ["", f"## {r['selector']} {json.dumps(r['params'])}: top functions by own time (per layer)", "",
                   "| function | calls | own us | cumulative us |", "| --- | --- | --- | --- |"]
         lines += [f"| `{t['fn']}` | {t['calls']:.1f} | {t['own_us']:.1f} | {t['cum_us']:.1f} |" for t in r["top"]]
     (out / "host_profile.md").write_text("\n".join(lines) + "\n")

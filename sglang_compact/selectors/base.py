@@ -9,6 +9,11 @@ A selector looks at one batch of chunks (their q-blocks and windows, see
                                           selected (the caller unions them per window and adds the forced
                                           pages)
 
+    ranked float [H_q or H_kv, NQB or NW, NKV] with counts int32 [H_kv * NW]: rows of a fixed length,
+                                          row r keeping exactly counts[r] pages (its forced pages
+                                          first, then the best-scoring candidates: `indices.top_pages_indices`,
+                                          one kernel from scores to paged indices)
+
 and optionally `scores` float [H_q or H_kv, NQB or NW, NKV] (higher = more important), which the
 density cap ranks by. A q-block's candidates are the pages before its window
 (`ChunkBatch.candidates`); the window's own pages and the recent ones are always read.
@@ -38,18 +43,21 @@ NEG_INF = float("-inf")
 
 @dataclass
 class Selection:
-    """A selector's output: exactly one of `table` (with `counts`) and `mask`; `scores` optional."""
+    """A selector's output: exactly one of `table` (with `counts`), `ranked` (with `counts`; `per_qblock`: its
+    second dim is the q-blocks, else the windows) and `mask`; `scores` optional."""
 
     table: torch.Tensor | None = None
     counts: torch.Tensor | None = None
     mask: torch.Tensor | None = None
     scores: torch.Tensor | None = None
+    ranked: torch.Tensor | None = None
+    per_qblock: bool = True
 
     def __post_init__(self):
-        if (self.table is None) == (self.mask is None):
-            raise ValueError("Selection needs exactly one of table and mask")
-        if self.table is not None and self.counts is None:
-            raise ValueError("Selection(table=...) needs counts (int32 [H_kv * NW])")
+        if sum(x is not None for x in (self.table, self.mask, self.ranked)) != 1:
+            raise ValueError("Selection needs exactly one of table, ranked and mask")
+        if self.mask is None and self.counts is None:
+            raise ValueError("Selection(table=...) and Selection(ranked=...) need counts (int32 [H_kv * NW])")
 
 
 class Selector:
@@ -142,6 +150,14 @@ def budget_row_pages(batch: ChunkBatch, fraction: float, sink_blocks: int, recen
     return per_w * batch.num_kv_heads
 
 
+def budget_counts(batch: ChunkBatch, fraction: float, sink_blocks: int, recent_blocks: int,
+                  min_pages: int = 0) -> torch.Tensor:
+    """`budget_row_pages` on the device (int32 [H_kv * NW]), made once per batch."""
+    return batch.memo(("budget_rows", fraction, sink_blocks, recent_blocks, min_pages), lambda: torch.tensor(
+        budget_row_pages(batch, fraction, sink_blocks, recent_blocks, min_pages), dtype=torch.int32).to(
+        batch.q.device, non_blocking=True))
+
+
 def window_scores(scores: torch.Tensor, batch: ChunkBatch) -> torch.Tensor:
     """float [H, NQB, NKV] per-q-block scores -> [H, NW, NKV]: the best over each window's q-blocks."""
     d = batch.device_qblocks()
@@ -165,8 +181,9 @@ def row_scores(scores: torch.Tensor, batch: ChunkBatch) -> torch.Tensor:
 def top_pages_per_row(row_scores: torch.Tensor, batch: ChunkBatch, fraction: float, sink_blocks: int,
                       recent_blocks: int, allowed: torch.Tensor | None = None, min_pages: int = 0):
     """Keep `row_budget` pages of each sparse row: the forced pages first, then the best-scoring candidates
-    (equal scores in any order); a dense row keeps every page 0..last. The `budget` selector's ranking, and
-    the density cap's (with `allowed`, the rows' table, of which at most that many cells survive).
+    (equal scores in any order); a dense row keeps every page 0..last. The density cap's ranking (with
+    `allowed`, the rows' table, of which at most that many cells survive); the selectors that fix their rows
+    rank in one kernel instead (`Selection.ranked`, `indices.top_pages_indices`).
 
     Args:
         row_scores: float [H_kv, NW, NKV]; allowed: bool [H_kv, NW, NKV] or None.
@@ -183,22 +200,6 @@ def top_pages_per_row(row_scores: torch.Tensor, batch: ChunkBatch, fraction: flo
     if allowed is not None:
         out &= allowed
     return out, out.sum(dim=-1, dtype=torch.int32).reshape(-1)
-
-
-def fill_rows(row_scores: torch.Tensor, batch: ChunkBatch, counts: torch.Tensor, max_count: int, sink_blocks: int,
-              recent_blocks: int):
-    """Exactly `counts[r]` pages in row r = g * NW + w: its forced pages first, then its best-scoring candidates
-    (equal scores in any order); a count of last + 1 keeps every page.
-
-    Args:
-        row_scores: float [H_kv, NW, NKV]; counts: int [H_kv * NW] on the device, each at least the row's
-            forced pages and at most last + 1; max_count: their largest (host).
-    Returns:
-        table bool [H_kv, NW, NKV], counts int32 [H_kv * NW].
-    """
-    H, NW, _ = row_scores.shape
-    out = _keep_top(_ranked(row_scores, batch, sink_blocks, recent_blocks), counts.view(H, NW).long(), max_count)
-    return out, counts.to(torch.int32)
 
 
 def _ranked(row_scores: torch.Tensor, batch: ChunkBatch, sink_blocks: int, recent_blocks: int,

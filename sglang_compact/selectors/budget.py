@@ -12,8 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sglang_compact.selectors.base import (Selection, Selector, budget_row_pages, page_scores,
-                                           top_pages_per_row, window_scores)
+from sglang_compact.selectors.base import Selection, Selector, budget_counts, budget_row_pages, page_scores
 from sglang_compact.selectors.registry import SelectorParams, param, register_selector
 
 
@@ -35,10 +34,10 @@ class BudgetSelector(Selector):
         cfg = self.config
         return budget_row_pages(batch, self.params.density, cfg.sink_blocks, cfg.recent_blocks, self.params.min_pages)
 
-    def select(self, batch, layer, summaries):
+    def counts(self, batch):
         cfg = self.config
-        scores = window_scores(page_scores(batch, summaries, group_max=True, query_stride=self.params.query_stride),
-                               batch)                                          # [H_kv, NW, NKV]
-        table, counts = top_pages_per_row(scores, batch, self.params.density, cfg.sink_blocks, cfg.recent_blocks,
-                                          min_pages=self.params.min_pages)
-        return Selection(table=table, counts=counts, scores=scores)
+        return budget_counts(batch, self.params.density, cfg.sink_blocks, cfg.recent_blocks, self.params.min_pages)
+
+    def select(self, batch, layer, summaries):
+        scores = page_scores(batch, summaries, group_max=True, query_stride=self.params.query_stride)  # [H_kv, NQB, NKV]
+        return Selection(ranked=scores, counts=self.counts(batch), scores=scores)

@@ -20,9 +20,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from sglang_compact.kernels import flashprefill as flashprefill_kernel
 from sglang_compact.kernels import flashprefill_naive, use_triton
-from sglang_compact.selectors.base import Selection, Selector, fill_rows, page_scores, threshold_rows, window_scores
+from sglang_compact.selectors.base import Selection, Selector, page_scores, threshold_rows
 from sglang_compact.selectors.registry import SelectorParams, param, register_selector
 
 
@@ -57,13 +59,11 @@ class FlashPrefillSelector(Selector):
     def fill(self, batch, layer, summaries, counts, max_count):
         """Exactly `counts[r]` pages per row r (device int [H_kv * NW], largest `max_count`): the forced pages,
         then the candidates by their best ratio to their head's best score over the window's q-blocks."""
-        p, cfg = self.params, self.config
+        p = self.params
         args = (batch.q, batch.device_qblocks(), batch.page_table, summaries.key_sum, summaries.count,
                 batch.sm_scale, batch.num_kv_heads, batch.qblocks.max_pages)
         if use_triton(batch.q) and flashprefill_kernel.supports(batch.head_dim, batch.page_size, p.query_stride):
             ratio = flashprefill_kernel.ratio_scores(*args, query_stride=p.query_stride, page_size=batch.page_size)
         else:
             ratio = flashprefill_naive.ratio_scores(*args, query_stride=p.query_stride)
-        table, counts = fill_rows(window_scores(ratio, batch), batch, counts, max_count, cfg.sink_blocks,
-                                  cfg.recent_blocks)
-        return Selection(table=table, counts=counts)
+        return Selection(ranked=ratio, counts=counts.to(torch.int32))

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sglang_compact.selectors.base import Selection, row_scores, top_pages_per_row
+from sglang_compact.selectors.base import Selection
 from sglang_compact.selectors.budget import BudgetSelector
 from sglang_compact.selectors.registry import SelectorParams, param, register_selector
 from sglang_compact.selectors.xattention import antidiagonal_page_mass
@@ -48,9 +48,5 @@ class MassBudgetSelector(BudgetSelector):
     # row_pages: `budget`'s (the same per-row budget, known on the host)
 
     def select(self, batch, layer, summaries):
-        cfg = self.config
         mass = antidiagonal_page_mass(batch, self.params.stride, self.params.row_stride)    # [H_q, NQB, NKV]
-        scores = row_scores(mass, batch)                                                     # [H_kv, NW, NKV]
-        table, counts = top_pages_per_row(scores, batch, self.params.density, cfg.sink_blocks, cfg.recent_blocks,
-                                          min_pages=self.params.min_pages)
-        return Selection(table=table, counts=counts, scores=scores)
+        return Selection(ranked=mass, counts=self.counts(batch), scores=mass)
