@@ -23,7 +23,9 @@ What it does:
   given: with ``log_path=None`` the output is kept in memory (the last
   ``LOG_TAIL_BYTES``) and nothing is written;
 * waits for ``/health`` (raising ``ServerError`` with the log's tail if the
-  server dies or the timeout passes);
+  server dies or the timeout passes); a server that dies because another
+  process bound the port it was given first is started again on a new port
+  (when the port was the harness's choice);
 * ``generate()`` posts to ``/generate`` (greedy by default) and returns the
   output ids, text, ``meta_info`` (``cached_tokens``, ``prompt_tokens``...) and
   the request's wall time; ``post`` / ``get_json`` / ``get_text`` / ``metrics``
@@ -79,6 +81,8 @@ SERVER_ENV = {
 # the part of SERVER_ENV that is not about the CPU (device="cuda")
 CPU_ONLY_ENV = ("SGLANG_USE_CPU_ENGINE", "TRITON_INTERPRET", "SGLANG_COMPACT_CPU_SHIM")
 LOG_TAIL_BYTES = 64 << 10  # kept in memory when there is no log file
+PORT_TAKEN = "address already in use"   # uvicorn's bind error ([Errno 98]) in the server's output
+PORT_RETRIES = 2
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -142,6 +146,7 @@ class SGLangServer:
     ):
         self.model_path = str(model_path)
         self.host = host
+        self._port_chosen = port is None   # ours to change when another process takes it first
         self.port = port or free_port(host)
         self.base_url = f"http://{host}:{self.port}"
         self.module = module
@@ -195,6 +200,25 @@ class SGLangServer:
         return [sys.executable, "-m", self.module, *self.args]
 
     def start(self) -> "SGLangServer":
+        """Start and wait for `/health`. A port we chose (none given) that another process binds first, between
+        `free_port` and the server's bind (SGLang picks its own internal ports at start-up too), is replaced by a
+        fresh one and the start retried, up to PORT_RETRIES times."""
+        for attempt in range(PORT_RETRIES + 1):
+            try:
+                return self._start_once()
+            except ServerError as e:
+                if not (self._port_chosen and attempt < PORT_RETRIES and PORT_TAKEN in str(e)):
+                    raise
+                self._use_port(free_port(self.host))
+        raise AssertionError("unreachable")
+
+    def _use_port(self, port: int) -> None:
+        i = self.args.index("--port")
+        self.args[i + 1] = str(port)
+        self.port = port
+        self.base_url = f"http://{self.host}:{port}"
+
+    def _start_once(self) -> "SGLangServer":
         if self.require_cpu_shim and not cpu_shim_hook_installed():
             raise ServerError(
                 "the CPU shim start-up hook is not installed; run scripts/setup_cpu.sh "

@@ -13,8 +13,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from sglang_compact.selectors.registry import (SelectorParams, SelectorSpec, import_selector_modules,
-                                               selector_names, selector_spec)
+from sglang_compact.selectors.registry import (SelectorParams, SelectorSpec, import_selector_modules,  # noqa: F401
+                                               parse_layer_ids, selector_names, selector_spec)
 
 PREFILL_KERNELS = ("auto", "fa2", "fa3")
 
@@ -23,21 +23,6 @@ PREFILL_KERNELS = ("auto", "fa2", "fa3")
 #: there); the layers before it read every page: a first layer's attention is broad (SmolLM2: density 0.94 at
 #: layer 0, 0.33-0.82 after), so its density would turn every window dense.
 OBSERVING_LAYER = 1
-
-
-def parse_layer_ids(text: str, sep: str = ",") -> tuple[int, ...]:
-    """Layer ids and inclusive ranges, '21,22,23' or '20-23' (`sep` between items); ValueError otherwise."""
-    out: list[int] = []
-    for item in filter(None, (x.strip() for x in text.split(sep))):
-        lo, dash, hi = item.partition("-")
-        try:
-            ids = range(int(lo), int(hi) + 1) if dash else [int(lo)]
-        except ValueError:
-            ids = []
-        if not ids:
-            raise ValueError(f"must be layer ids or ranges such as '21{sep}22{sep}23' or '20-23', got {text!r}")
-        out.extend(ids)
-    return tuple(out)
 
 
 def _fail(field_name: str, allowed: str, value: Any) -> None:

@@ -114,19 +114,24 @@ def test_flashprefill_answer_does_not_depend_on_the_cache(model_dir, params, ext
         assert metric_value(metrics, "sglang:compact_qblocks_total", 'path="dense_density"') > 0
 
 
-def test_dense_layers_read_every_page_in_a_sparse_pass(model_dir):
-    """--compact-dense-layers 2-29: in a sparse pass those layers' rows read every page (density 1.0 on /metrics),
-    the first two select their budget (no observed-density fallback here, so layer 0 selects too)."""
+@pytest.mark.parametrize("layers", [
+    ["--compact-density", "0.3", "--compact-dense-layers", "2-29"],
+    ["--compact-selector-params", '{"density": 0.3, "layer_density": "2-29:1.0"}'],
+])
+def test_dense_layers_read_every_page_in_a_sparse_pass(model_dir, layers):
+    """--compact-dense-layers 2-29 (or `budget`'s own `layer_density` of 1.0 there): in a sparse pass those layers'
+    rows read every page (density 1.0 on /metrics), the first two select their budget (no observed-density
+    fallback here, so layer 0 selects too)."""
     ids = prompts(n=3, seed=4)[-1]
-    args = COMPACT + ["--compact-selector", "budget", "--compact-density", "0.3", "--compact-min-context", "256",
-                      "--compact-dense-tail", "64", "--compact-dense-above", "1", "--compact-dense-layers", "2-29",
-                      "--enable-metrics"]
+    args = COMPACT + ["--compact-selector", "budget", "--compact-min-context", "256", "--compact-dense-tail", "64",
+                      "--compact-dense-above", "1", "--enable-metrics"] + layers
     with server(model_dir, args) as srv:
         out, _ = greedy(srv, ids)
         log = srv.log_path.read_text()
         metrics = srv.get_text("/metrics")
     assert len(out) == NEW
-    assert "dense layers " + ",".join(map(str, range(2, 30))) in log
+    if "--compact-dense-layers" in layers:
+        assert "dense layers " + ",".join(map(str, range(2, 30))) in log
     assert metric_value(metrics, "sglang:compact_qblocks_total", 'path="sparse"') > 0
     density = {i: metric_value(metrics, "sglang:compact_density", f'layer="{i}"') for i in range(30)}
     assert all(density[i] == 1.0 for i in range(2, 30)), density
@@ -176,6 +181,8 @@ def metric_value(text: str, name: str, label: str = "") -> float:
     (["--compact-dense-layers", "20-x"], "must be layer ids or ranges such as '21,22,23' or '20-23'"),
     (["--compact-dense-layers", "0,20"], "--compact-dense-layers: must be layers after 1"),
     (["--compact-selector-module", "no_such_module_xyz"], "selector module 'no_such_module_xyz' could not be imported"),
+    (["--compact-selector", "budget", "--compact-selector-params", '{"layer_density": "2-6"}'],
+     "layer_density: must be items 'layers:value'"),
     (["--attention-backend", "torch_native", "--compact-alpha", "0.1"], "--compact-* flags need --attention-backend compact"),
 ])
 def test_bad_flags_exit_with_one_line_reason(model_dir, flags, reason):

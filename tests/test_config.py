@@ -104,3 +104,34 @@ def test_dense_layers_are_checked_against_the_model_and_the_rows_plan():
                            planned_once=False)
     with pytest.raises(UnsupportedModelError, match="add --compact-prefill-kernel fa2"):
         check_dense_layers(cfg, SimpleNamespace(model_layers=24, start_layer=0), planned_once=True)
+
+
+@pytest.mark.parametrize("text,match", [("2-6", "layers:value"), ("2-6:1.5", r"value in \[0.0, 1.0\]"),
+                                        ("x:0.3", "layer ids or ranges"), ("2:0.3,2:0.4", "layer 2 is given twice"),
+                                        ("6-2:0.3", "layer ids or ranges")])
+def test_layer_density_is_checked_when_configured(text, match):
+    for selector in ("budget", "mass_budget"):
+        with pytest.raises(ValueError, match=r"CompactConfig.selector_params: layer_density: .*" + match):
+            CompactConfig(selector=selector, selector_params={"layer_density": text})
+
+
+def test_per_layer_selector_rows_need_rows_planned_with_bounds():
+    """A selector's per-layer parameters (`budget` `layer_density`): the layers it names exist, and its rows do not
+    run on fa3 planned once (their lengths differ between layers)."""
+    from types import SimpleNamespace
+
+    from sglang_compact.selectors import make_selector
+    from sglang_compact.srt.model_checks import UnsupportedModelError
+    from sglang_compact.srt.runtime import check_layer_rows
+
+    cfg = CompactConfig(selector="budget", selector_params={"density": 0.25, "layer_density": "2-4:0.6,9:0.1"})
+    layers = make_selector(cfg).own_layers()
+    assert layers == (2, 3, 4, 9)
+    assert make_selector(CompactConfig(selector="budget")).own_layers() == ()
+    model = SimpleNamespace(model_layers=24, start_layer=0)
+    check_layer_rows(cfg, model, planned_once=False, selector_layers=layers)
+    with pytest.raises(UnsupportedModelError, match="add --compact-prefill-kernel fa2"):
+        check_layer_rows(cfg, model, planned_once=True, selector_layers=layers)
+    with pytest.raises(UnsupportedModelError, match=r"layers \[9\] are not among the model's 8 layers"):
+        check_layer_rows(cfg, SimpleNamespace(model_layers=8, start_layer=0), planned_once=False,
+                         selector_layers=layers)

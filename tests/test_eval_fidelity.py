@@ -332,3 +332,19 @@ def test_dense_tail_in_the_replay_and_the_hf_runner(tiny):
     d_off = r.per_layer[F.parse_method(off).label]["density"][0]
     assert g_off.density == pytest.approx(d_off)
     assert g_on.density == pytest.approx((3 * d_on - 1.0) / 2)
+
+
+def test_layer_density_in_method_specs_and_the_server_flags():
+    """`layer_density` (budget, mass_budget) in a method spec: its items joined by '/' (',' separates the
+    method's parameters), handed to the server in --compact-selector-params as the selector reads them."""
+    import json
+
+    from harness.eval.methods import compact_server_args
+    m = F.parse_method("compact:mass_budget:density=0.2,layer_density=3:1.0/1:0.5")
+    assert m.selector_params == {"density": 0.2, "layer_density": "3:1.0,1:0.5"}
+    args = compact_server_args(m.selector, dict(m.params), 64, 1, 1)
+    assert json.loads(args[args.index("--compact-selector-params") + 1]) == m.selector_params
+    with pytest.raises(ValueError, match="layers:value"):
+        F.parse_method("compact:budget:layer_density=3")
+    with pytest.raises(ValueError, match="layer_density"):
+        F.parse_method("compact:flashprefill:layer_density=3:0.5")     # not a flashprefill parameter

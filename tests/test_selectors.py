@@ -246,3 +246,26 @@ def test_mass_budget_row_stride_scores_fewer_rows_and_stays_normalised():
     assert sel.counts.tolist() == make_selector(cfg("mass_budget", row_stride=2, stride=4)).row_pages(b)
     with pytest.raises(ValueError, match="row stride"):
         antidiagonal_page_mass(b, 4, 8)            # page 16 / stride 4 = 4 rows
+
+
+@pytest.mark.parametrize("name", ["budget", "mass_budget"])
+def test_layer_density_gives_named_layers_their_own_budget(name):
+    """`layer_density`: a named layer keeps `row_budget` at its own fraction, the others at `density`; the plan's
+    rows (`row_pages`) are the others'; each layer's selection holds its best pages by the same scores."""
+    from sglang_compact.compact import CompactAttention
+    from sglang_compact.selectors.base import forced_count, row_budget
+    b = batch(14, prefix=(300, 37, 520), chunk=(40, 17, 33))
+    common = dict(block_size=P, sink_blocks=1, recent_blocks=1)
+    ca = CompactAttention(CompactConfig(selector=name, selector_params={"density": 0.2, "layer_density": "3:0.6"},
+                                        **common))
+    qb = b.qblocks
+    s = batch_summaries(b)
+    other, own = ca.select_pages(b, 5, s), ca.select_pages(b, 3, s)
+    for sel, frac in ((other, 0.2), (own, 0.6)):
+        want = [row_budget(la + 1, frac, forced_count(f, la, 1, 1)) if sp else la + 1
+                for f, la, sp in zip(qb.w_first, qb.w_last, qb.w_sparse)] * b.num_kv_heads
+        assert sel.counts.tolist() == want
+        assert torch.equal(sel.counts, sel.table.sum(-1, dtype=torch.int32).reshape(-1))
+    assert ca.row_pages(b) == other.counts.tolist()
+    assert any(a < c for a, c in zip(other.counts.tolist(), own.counts.tolist()))
+    assert (own.table | ~other.table).all()        # more pages of the same ranking: a superset

@@ -9,12 +9,20 @@ from pathlib import Path
 
 import pytest
 
-from harness.server import GenerateResult, ServerError, SGLangServer
+from harness.server import GenerateResult, ServerError, SGLangServer, free_port
 
 FAKE = r'''
 import http.server, json, sys
 port = int(sys.argv[sys.argv.index("--port") + 1])
 print("fake server on", port, "args", " ".join(sys.argv[1:]), flush=True)
+if "--port-taken-once" in sys.argv:   # as uvicorn reports a port another process bound first; once
+    import pathlib
+    flag = pathlib.Path(sys.argv[sys.argv.index("--port-taken-once") + 1])
+    if not flag.exists():
+        flag.write_text(str(port))
+        print(f"ERROR:    [Errno 98] error while attempting to bind on address ('127.0.0.1', {port}): "
+              "address already in use", flush=True)
+        sys.exit(3)
 if "--die" in sys.argv:
     print("fake server: dying on purpose", flush=True)
     sys.exit(3)
@@ -114,6 +122,22 @@ def test_log_file_and_start_failure(fake_module, tmp_path):
             srv.start()
         assert "dying on purpose" in str(e.value) and srv.proc is None
     assert "dying on purpose" in (tmp_path / "dead.log").read_text()
+
+
+def test_a_port_taken_before_the_server_binds_it_is_replaced(fake_module, tmp_path):
+    """The server dies with "address already in use" on the port the harness chose: started again on a fresh
+    port. A port the caller gave is not changed: the error is raised."""
+    flag = tmp_path / "taken"
+    srv = _server(fake_module, extra_args=["--port-taken-once", str(flag)])
+    with srv:
+        first = int(flag.read_text())
+        assert srv.port != first and srv.base_url.endswith(f":{srv.port}")
+        assert srv.command[srv.command.index("--port") + 1] == str(srv.port)
+        assert srv.generate(text="hi", max_new_tokens=1).output_ids == [5, 6]
+    flag.unlink()
+    given = _server(fake_module, extra_args=["--port-taken-once", str(flag)], port=free_port())
+    with pytest.raises(ServerError, match="address already in use"):
+        given.start()
 
 
 def test_env_overrides():

@@ -57,6 +57,7 @@ import torch
 from sglang_compact.batch import ChunkBatch, cdiv
 from sglang_compact.compact import CompactAttention
 from sglang_compact.config import OBSERVING_LAYER, CompactConfig, parse_layer_ids
+from sglang_compact.selectors.registry import parse_layer_values
 from sglang_compact.executors import ForwardShape, TorchExecutor
 from sglang_compact.executors.torch_executor import causal_context_attention, masked_context_attention
 from sglang_compact.gate import NEVER, Gate, GateDecision
@@ -235,7 +236,7 @@ SERVER_PARAMS = ("dense_tail", "dense_layers", "dense_above", "density_cap")
 def parse_method(text: str) -> Method:
     """'compact:flashprefill:alpha=0.06', 'blocksparse:xattention:threshold=0.9', 'quoka:query_ratio=0.25,kv_budget=0.25',
     'dense'; any but dense may add dense_tail=N (tokens)."""
-    parts = text.split(":")
+    parts = text.split(":", 2)   # the parameters may hold ':' (layer_density)
     kind = parts[0]
     if kind == "dense":
         return Method("dense")
@@ -268,7 +269,8 @@ def parse_method(text: str) -> Method:
 
 def _parse_params(text: str) -> dict[str, Any]:
     """'k=v,...': integers, floats and true/false; `dense_layers` takes layer ids and ranges joined by '+'
-    ('dense_layers=9+21-23')."""
+    ('dense_layers=9+21-23'); `layer_density` (budget, mass_budget) its items joined by '/'
+    ('layer_density=2-6:0.6/7-23:0.28')."""
     out: dict[str, Any] = {}
     for item in filter(None, text.split(",")):
         k, _, v = item.partition("=")
@@ -276,6 +278,13 @@ def _parse_params(text: str) -> dict[str, Any]:
         if k.strip() == "dense_layers":
             try:
                 out["dense_layers"] = parse_layer_ids(v, sep="+")
+            except ValueError as e:
+                raise ValueError(f"parameter {item!r}: {e}") from None
+            continue
+        if k.strip() == "layer_density":
+            out["layer_density"] = v.replace("/", ",")
+            try:
+                parse_layer_values(out["layer_density"], 0.0, 1.0)
             except ValueError as e:
                 raise ValueError(f"parameter {item!r}: {e}") from None
             continue

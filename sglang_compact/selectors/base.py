@@ -75,10 +75,15 @@ class Selector:
         (`spec.fixes_row_lengths`); None when they depend on the scores."""
         return None
 
+    def own_layers(self) -> tuple[int, ...]:
+        """The model layers whose own parameters make their rows differ from `row_pages` (sorted; none by
+        default): the rows then cannot run on one fa3 plan per forward pass."""
+        return ()
+
     def select(self, batch: ChunkBatch, layer: int, summaries: LayerSummaries | None) -> Selection:
         """Args:
             batch: the chunks and their contexts.
-            layer: layer index (for per-layer weights).
+            layer: the model's layer id (for per-layer weights and parameters).
             summaries: this layer's page summaries (mean keys); selectors that use them get them.
         """
         raise NotImplementedError

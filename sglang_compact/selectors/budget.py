@@ -6,23 +6,54 @@ are kept (at least `min_pages` where the context has them), so the density the p
 reads is the requested one and every row's length is known on the host before any search: FlashInfer
 fa3 is planned once per forward pass. `query_stride` s scores every s-th query of each q-block only.
 `CompactConfig.density_cap` ranks the same way.
+
+`layer_density` gives some layers their own fraction (e.g. more pages in the first layers, fewer in the
+rest): the rows' lengths then differ between layers, so they run on fa2 rows planned once per forward pass
+with each row's whole context as its bound (`--compact-prefill-kernel fa2`; the server says so at start).
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from sglang_compact.selectors.base import Selection, Selector, budget_counts, budget_row_pages, page_scores
-from sglang_compact.selectors.registry import SelectorParams, param, register_selector
+from sglang_compact.selectors.registry import SelectorParams, param, parse_layer_values, register_selector
 
 
 @dataclass(frozen=True)
-class BudgetParams(SelectorParams):
+class RowBudgetParams(SelectorParams):
+    """The parameters of a fixed budget per row (`budget`, `mass_budget`)."""
+
     density: float = param(0.3, lo=0.0, hi=1.0, help="fraction of each row's context pages kept")
-    query_stride: int = param(1, lo=1, hi=16, power_of_two=True,
-                              help="score every s-th query of each q-block (s times cheaper search)")
     min_pages: int = param(0, lo=0, hi=1 << 20,
                            help="each sparse row keeps at least this many pages (its context permitting)")
+    layer_density: str | None = param(None, help="fractions of given model layers, 'lo-hi:fraction,...' "
+                                                 "(e.g. '2-6:0.6,7-23:0.28'); the others keep `density`")
+
+    def __post_init__(self):
+        layer_densities(self)   # a clear error at configuration time
+
+
+@dataclass(frozen=True)
+class BudgetParams(RowBudgetParams):
+    query_stride: int = param(1, lo=1, hi=16, power_of_two=True,
+                              help="score every s-th query of each q-block (s times cheaper search)")
+
+
+def layer_densities(params) -> dict[int, float]:
+    """{model layer: fraction} of `params.layer_density` (a selector parameter of `budget` and `mass_budget`)."""
+    if not params.layer_density:
+        return {}
+    try:
+        return _parse_densities(params.layer_density)
+    except ValueError as e:
+        raise ValueError(f"layer_density: {e}") from None
+
+
+@functools.lru_cache(maxsize=64)
+def _parse_densities(text: str) -> dict[int, float]:
+    return parse_layer_values(text, 0.0, 1.0)
 
 
 @register_selector("budget", params=BudgetParams, fixes_row_lengths=True, uses_summaries=True,
@@ -31,13 +62,20 @@ class BudgetSelector(Selector):
     """A fixed fraction of each row's pages, best mean-key scores first."""
 
     def row_pages(self, batch):
+        """The rows of the layers without a `layer_density` of their own."""
         cfg = self.config
         return budget_row_pages(batch, self.params.density, cfg.sink_blocks, cfg.recent_blocks, self.params.min_pages)
 
-    def counts(self, batch):
+    def own_layers(self):
+        return tuple(sorted(layer_densities(self.params)))
+
+    def density_of(self, layer: int) -> float:
+        return layer_densities(self.params).get(layer, self.params.density)
+
+    def counts(self, batch, layer: int):
         cfg = self.config
-        return budget_counts(batch, self.params.density, cfg.sink_blocks, cfg.recent_blocks, self.params.min_pages)
+        return budget_counts(batch, self.density_of(layer), cfg.sink_blocks, cfg.recent_blocks, self.params.min_pages)
 
     def select(self, batch, layer, summaries):
         scores = page_scores(batch, summaries, group_max=True, query_stride=self.params.query_stride)  # [H_kv, NQB, NKV]
-        return Selection(ranked=scores, counts=self.counts(batch), scores=scores)
+        return Selection(ranked=scores, counts=self.counts(batch, layer), scores=scores)

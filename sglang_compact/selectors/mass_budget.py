@@ -22,16 +22,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from sglang_compact.selectors.base import Selection
-from sglang_compact.selectors.budget import BudgetSelector
-from sglang_compact.selectors.registry import SelectorParams, param, register_selector
+from sglang_compact.selectors.budget import BudgetSelector, RowBudgetParams
+from sglang_compact.selectors.registry import param, register_selector
 from sglang_compact.selectors.xattention import antidiagonal_page_mass
 
 
 @dataclass(frozen=True)
-class MassBudgetParams(SelectorParams):
+class MassBudgetParams(RowBudgetParams):
     density: float = param(0.33, lo=0.0, hi=1.0, help="fraction of each row's context pages kept")
-    min_pages: int = param(0, lo=0, hi=1 << 20,
-                           help="each sparse row keeps at least this many pages (its context permitting)")
     stride: int = param(8, lo=1, hi=16, power_of_two=True,
                         help="antidiagonal stride S of the mass estimate (a power of two <= 16 divides every "
                              "page size the config allows)")
@@ -49,4 +47,4 @@ class MassBudgetSelector(BudgetSelector):
 
     def select(self, batch, layer, summaries):
         mass = antidiagonal_page_mass(batch, self.params.stride, self.params.row_stride)    # [H_q, NQB, NKV]
-        return Selection(ranked=mass, counts=self.counts(batch), scores=mass)
+        return Selection(ranked=mass, counts=self.counts(batch, layer), scores=mass)

@@ -40,6 +40,41 @@ def param(default: Any, *, lo: float | None = None, hi: float | None = None, pow
                                                         "help": help})
 
 
+def parse_layer_ids(text: str, sep: str = ",") -> tuple[int, ...]:
+    """Layer ids and inclusive ranges, '21,22,23' or '20-23' (`sep` between items); ValueError otherwise."""
+    out: list[int] = []
+    for item in filter(None, (x.strip() for x in text.split(sep))):
+        lo, dash, hi = item.partition("-")
+        try:
+            ids = range(int(lo), int(hi) + 1) if dash else [int(lo)]
+        except ValueError:
+            ids = []
+        if not ids:
+            raise ValueError(f"must be layer ids or ranges such as '21{sep}22{sep}23' or '20-23', got {text!r}")
+        out.extend(ids)
+    return tuple(out)
+
+
+def parse_layer_values(text: str, lo: float, hi: float) -> dict[int, float]:
+    """'2-6:0.6,13:0.2' -> {2: 0.6, ..., 6: 0.6, 13: 0.2}: values of given layers (ids or inclusive ranges, as
+    `parse_layer_ids` reads them), each in [lo, hi]; a layer given twice is an error. ValueError otherwise."""
+    out: dict[int, float] = {}
+    for item in filter(None, (x.strip() for x in text.split(","))):
+        ids, colon, value = item.partition(":")
+        try:
+            v = float(value) if colon else math.nan
+        except ValueError:
+            v = math.nan
+        if not lo <= v <= hi:
+            raise ValueError(f"must be items 'layers:value' with layers such as '13' or '2-6' and a value in "
+                             f"[{lo}, {hi}], separated by ',', got {text!r}")
+        for layer in parse_layer_ids(ids, sep="+"):
+            if layer in out:
+                raise ValueError(f"layer {layer} is given twice in {text!r}")
+            out[layer] = v
+    return out
+
+
 @dataclass(frozen=True)
 class SelectorParams:
     """Base of every selector's parameter dataclass (frozen; fields declared with `param`)."""
@@ -67,7 +102,10 @@ class SelectorParams:
         for f in cls.fields():
             v = given.get(f.name, f.default)
             values[f.name] = _check(f, v, f"{owner}[{f.name!r}]")
-        return cls(**values)
+        try:
+            return cls(**values)
+        except ValueError as e:   # the dataclass's own checks (`__post_init__`) across its fields
+            raise ValueError(f"{owner}: {e}") from None
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

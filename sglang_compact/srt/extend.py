@@ -198,9 +198,9 @@ class ExtendPlanner:
             sel = batch, rt.compact.read_all(batch, buffers=rt.executor.index_buffers,
                                              with_stats=rt.telemetry.wants_stats())
         elif md.sparse:
-            sel = self._select(md, q3, k_buf, v_buf, layer, li, summaries)
+            sel = self._select(md, q3, k_buf, v_buf, layer, lid, summaries)
             if md.observe and self._observe(md, sel[1], md.executor_dense):
-                sel = self._select(md, q3, k_buf, v_buf, layer, li, summaries) if md.sparse else None
+                sel = self._select(md, q3, k_buf, v_buf, layer, lid, summaries) if md.sparse else None
         if sel is None:
             out = compat.take_attention_output(fb, q3) if q3.dtype == q.dtype else None
             chunk_kv = (k.view(-1, H_kv, D), v.view(-1, H_kv, D)) if k is not None and v is not None else None
@@ -219,9 +219,9 @@ class ExtendPlanner:
     def _layer_batch(md: ExtendMetadata, q3, k_buf, v_buf, layer) -> ChunkBatch:
         return dataclasses.replace(md.template, q=q3, k_pool=k_buf, v_pool=v_buf, sm_scale=compat.layer_scaling(layer))
 
-    def _select(self, md: ExtendMetadata, q3, k_buf, v_buf, layer, li: int, summaries):
-        """(this layer's batch, its page selection) in a sparse pass."""
+    def _select(self, md: ExtendMetadata, q3, k_buf, v_buf, layer, lid: int, summaries):
+        """(this layer's batch, its page selection) in a sparse pass; `lid` the model's layer id."""
         rt = self.rt
         batch = self._layer_batch(md, q3, k_buf, v_buf, layer)
-        return batch, rt.compact.select_pages(batch, li, summaries, buffers=rt.executor.index_buffers,
+        return batch, rt.compact.select_pages(batch, lid, summaries, buffers=rt.executor.index_buffers,
                                               with_stats=rt.telemetry.wants_stats(), fill=md.fill)

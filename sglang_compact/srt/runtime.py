@@ -42,6 +42,24 @@ def resolve_prefill_kernel(config: CompactConfig, device: torch.device, dtype: t
     return want
 
 
+def check_layer_rows(config: CompactConfig, view: compat.RunnerView, planned_once: bool,
+                     selector_layers: tuple[int, ...] = ()) -> None:
+    """Layers whose rows differ from the pass's plan against the model and the rows' plan: those the
+    selector's own per-layer parameters name (`Selector.own_layers`), and `--compact-dense-layers`. Their rows'
+    lengths differ from the other layers', so the rows need a plan made with bounds (fa2)."""
+    if selector_layers:
+        if planned_once:
+            raise UnsupportedModelError(f"selector {config.selector!r} with per-layer parameters (layers "
+                                        f"{','.join(map(str, selector_layers))}): its rows' lengths differ between "
+                                        "layers, so they cannot run on fa3 planned once per forward pass: add "
+                                        "--compact-prefill-kernel fa2")
+        bad = [x for x in selector_layers if x >= view.model_layers]
+        if bad:
+            raise UnsupportedModelError(f"--compact-selector-params: layers {bad} are not among the model's "
+                                        f"{view.model_layers} layers (0-{view.model_layers - 1})")
+    check_dense_layers(config, view, planned_once)
+
+
 def check_dense_layers(config: CompactConfig, view: compat.RunnerView, planned_once: bool) -> None:
     """`--compact-dense-layers` against the model and the rows' plan: ids of this model's layers, none of this
     rank's first layers up to its observing one, and rows whose lengths a layer may change."""
@@ -117,7 +135,8 @@ class CompactRuntime:
         shape = ModelShape(h_q, view.num_kv_heads, view.head_dim, view.page_size)
         fixed = config.spec.fixes_row_lengths or config.spec.fixes_rows_at_observing_layer(config.params)
         rows_kernel = "fa3" if kernel == "fa3" or (kernel == "fa3-auto" and fixed) else "fa2"
-        check_dense_layers(config, view, planned_once=rows_kernel == "fa3" and fixed)
+        check_layer_rows(config, view, planned_once=rows_kernel == "fa3" and fixed,
+                         selector_layers=compact.selector.own_layers())
         gate = Gate.for_server(config, shape, view.chunked_prefill_size, device_name,
                                "fa3" if kernel.startswith("fa3") else "fa2", view.context_len, rows_kernel,
                                num_layers=view.num_layers)
