@@ -83,13 +83,10 @@ class CompactAttention:
             raise ValueError(f"CompactConfig.block_size={cfg.block_size} differs from the KV page size {batch.page_size}")
         if summaries is None and self.uses_summaries:
             summaries = LayerSummaries.from_pool(batch.k_pool, batch.page_table, batch.context_lens_cpu())
-        if fill is not None:   # the counts have the density cap in them
-            sel = self.selector.fill(batch, layer, summaries, *fill)
-            table, indices = top_pages_indices(sel.ranked, sel.counts, batch, cfg.sink_blocks, cfg.recent_blocks,
-                                               sel.per_qblock, buffers)
-            return PageSelection(table, sel.counts, indices, row_density(sel.counts, batch) if with_stats else None)
-        sel = self.selector.select(batch, layer, summaries)
-        if sel.ranked is not None and cfg.density_cap is None:   # fixed row lengths: one kernel to the indices
+        sel = self.selector.select(batch, layer, summaries) if fill is None else \
+            self.selector.fill(batch, layer, summaries, *fill)
+        # rows of a fixed length (filled rows have the density cap in their counts): one kernel to the indices
+        if sel.ranked is not None and (fill is not None or cfg.density_cap is None):
             table, indices = top_pages_indices(sel.ranked, sel.counts, batch, cfg.sink_blocks, cfg.recent_blocks,
                                                sel.per_qblock, buffers)
             return PageSelection(table, sel.counts, indices, row_density(sel.counts, batch) if with_stats else None)
