@@ -16,6 +16,11 @@ largest logit), so the best score is known after the first pass; the kv
 head's mask (OR over the group's heads) is written directly. The union over a
 window's q-blocks and the forced pages follow (`kernels/union.py`).
 
+When one program per (kv head, q-block) would leave most of the GPU idle (one chunk after a long prefix:
+Llama-3.1-8B heads, chunk 1024, are 128 programs over thousands of pages each), SPLIT programs share each
+q-block's pages (`launch_config`): a first launch writes each share's per-query max and denominator, a
+second combines them and writes its share of the output columns.
+
 Dot products run on the tensor cores in the queries' dtype with float32
 accumulation, so scores match the float32 reference to the input precision
 (bf16 ~ 1e-2 relative).
@@ -31,12 +36,13 @@ SCORES, GROUP_SCORES, THRESHOLD, GROUP_RATIO = 0, 1, 2, 3
 
 
 @triton.jit
-def _search_kernel(q, qb_req, qb_cand, qb_start, qb_len, page_table, key_sum, count, out,
+def _search_kernel(q, qb_req, qb_cand, qb_start, qb_len, page_table, key_sum, count, out, stats,
                    stride_qt, stride_qh, stride_pt, H_q, H_kv, NQB, NKV, sm_scale, alpha,
                    G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BN: tl.constexpr, MODE: tl.constexpr,
-                   QS: tl.constexpr, BQS: tl.constexpr):
+                   QS: tl.constexpr, BQS: tl.constexpr, SPLIT: tl.constexpr, PHASE: tl.constexpr):
     g = tl.program_id(0)
     qi = tl.program_id(1)
+    sp = tl.program_id(2)
     b = tl.load(qb_req + qi)
     n_iter = tl.load(qb_cand + qi)   # candidates: the pages before the q-block's window (none for a dense one)
     start = tl.load(qb_start + qi)
@@ -52,21 +58,52 @@ def _search_kernel(q, qb_req, qb_cand, qb_start, qb_len, page_table, key_sum, co
                  mask=r_ok[:, None], other=0.0)
     pt_row = page_table + b.to(tl.int64) * stride_pt
     qk_scale = sm_scale * 1.4426950408889634  # logits in base 2: exp2 is the native instruction
-    # pass 1: per-query max and denominator over the candidate pages
+    # pass 1: per-query max and denominator over the candidate pages (PHASE 1: over this split's share of them,
+    # stored to `stats`; PHASE 2: the splits' shares combined)
     m = tl.full([GP * BQS], float("-inf"), tl.float32)
     l = tl.zeros([GP * BQS], tl.float32)
-    for j0 in range(0, n_iter, BN):
-        offs_j = j0 + tl.arange(0, BN)
-        j_ok = offs_j < n_iter
-        pid = tl.load(pt_row + offs_j, mask=j_ok, other=0).to(tl.int64)
-        inv_n = 1.0 / tl.maximum(tl.load(count + pid, mask=j_ok, other=1), 1).to(tl.float32)
-        k = tl.load(key_sum + (pid * H_kv + g)[:, None] * D + offs_d[None, :], mask=j_ok[:, None], other=0.0)
-        k = (k * inv_n[:, None]).to(qv.dtype)
-        s = tl.dot(qv, tl.trans(k)) * qk_scale
-        s = tl.where(j_ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        l = l * tl.exp2(m - m_new) + tl.sum(tl.exp2(s - m_new[:, None]), axis=1)
-        m = m_new
+    stats_row = stats + ((sp * H_kv + g) * NQB + qi).to(tl.int64) * (2 * GP * BQS) + offs_r
+    if PHASE == 2:
+        for t in range(0, SPLIT):
+            part = stats + ((t * H_kv + g) * NQB + qi).to(tl.int64) * (2 * GP * BQS) + offs_r
+            m_t = tl.load(part)
+            m = tl.maximum(m, m_t)
+        for t in range(0, SPLIT):
+            part = stats + ((t * H_kv + g) * NQB + qi).to(tl.int64) * (2 * GP * BQS) + offs_r
+            m_t = tl.load(part)
+            l_t = tl.load(part + GP * BQS)
+            l += tl.where(l_t > 0, l_t * tl.exp2(m_t - m), 0.0)
+    else:
+        lo1 = 0
+        hi1 = n_iter
+        if PHASE == 1:
+            share = tl.cdiv(tl.cdiv(n_iter, SPLIT), BN) * BN
+            lo1 = sp * share
+            hi1 = tl.minimum(n_iter, lo1 + share)
+        for j0 in range(lo1, hi1, BN):
+            offs_j = j0 + tl.arange(0, BN)
+            j_ok = offs_j < hi1
+            pid = tl.load(pt_row + offs_j, mask=j_ok, other=0).to(tl.int64)
+            inv_n = 1.0 / tl.maximum(tl.load(count + pid, mask=j_ok, other=1), 1).to(tl.float32)
+            k = tl.load(key_sum + (pid * H_kv + g)[:, None] * D + offs_d[None, :], mask=j_ok[:, None], other=0.0)
+            k = (k * inv_n[:, None]).to(qv.dtype)
+            s = tl.dot(qv, tl.trans(k)) * qk_scale
+            s = tl.where(j_ok[None, :], s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, axis=1))
+            l = l * tl.exp2(m - m_new) + tl.sum(tl.exp2(s - m_new[:, None]), axis=1)
+            m = m_new
+    if PHASE == 1:
+        tl.store(stats_row, m)
+        tl.store(stats_row + GP * BQS, l)
+    else:
+        _scores_out(q, out, qv, m, l, r_ok, pt_row, key_sum, count, g, qi, sp, H_kv, NQB, NKV, n_iter, qk_scale,
+                    alpha, offs_d, G, GP, D, BN, MODE, BQS, SPLIT)
+
+
+@triton.jit
+def _scores_out(q, out, qv, m, l, r_ok, pt_row, key_sum, count, g, qi, sp, H_kv, NQB, NKV, n_iter, qk_scale, alpha,
+                offs_d, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BN: tl.constexpr, MODE: tl.constexpr,
+                BQS: tl.constexpr, SPLIT: tl.constexpr):
     # pass 2: normalised probabilities, max over each head's queries of the q-block
     valid_row = r_ok & (l > 0)
     inv_l = tl.where(valid_row, 1.0 / l, 0.0)
@@ -83,7 +120,13 @@ def _search_kernel(q, qb_req, qb_cand, qb_start, qb_len, page_table, key_sum, co
         out_row = out + row.to(tl.int64) * NKV
     else:
         out_rows = out + ((g * G + offs_hp).to(tl.int64) * NQB + qi) * NKV  # [GP]
-    for j0 in range(0, NKV, BN):
+    lo2 = 0
+    hi2 = NKV
+    if SPLIT > 1:   # this split's share of the output columns
+        share = tl.cdiv(tl.cdiv(NKV, SPLIT), BN) * BN
+        lo2 = sp * share
+        hi2 = tl.minimum(NKV, lo2 + share)
+    for j0 in range(lo2, hi2, BN):
         offs_j = j0 + tl.arange(0, BN)
         j_ok = offs_j < n_iter
         score = tl.zeros([GP, BN], tl.float32)
@@ -99,22 +142,42 @@ def _search_kernel(q, qb_req, qb_cand, qb_start, qb_len, page_table, key_sum, co
         if MODE == 2:
             keep = (score >= thr[:, None]) & head_ok[:, None] & j_ok[None, :]
             keep_any = tl.max(keep.to(tl.int32), axis=0) > 0
-            tl.store(out_row + offs_j, keep_any.to(tl.int8), mask=offs_j < NKV)
+            tl.store(out_row + offs_j, keep_any.to(tl.int8), mask=offs_j < hi2)
         elif MODE == 3:
             ratio = tl.where(head_ok[:, None] & j_ok[None, :], score * inv_best[:, None], 0.0)
-            tl.store(out_row + offs_j, tl.max(ratio, axis=0), mask=offs_j < NKV)
+            tl.store(out_row + offs_j, tl.max(ratio, axis=0), mask=offs_j < hi2)
         elif MODE == 1:
-            tl.store(out_row + offs_j, tl.max(score, axis=0), mask=offs_j < NKV)
+            tl.store(out_row + offs_j, tl.max(score, axis=0), mask=offs_j < hi2)
         else:
             tl.store(out_rows[:, None] + offs_j[None, :], score,
-                     mask=(offs_hp < G)[:, None] & (offs_j < NKV)[None, :])
+                     mask=(offs_hp < G)[:, None] & (offs_j < hi2)[None, :])
 
 
-def launch_config(rows: int, NKV: int, group_max: bool) -> dict:
+def launch_config(rows: int, NKV: int, group_max: bool, programs: int = 0, sms: int = 0) -> dict:
     """BN / num_warps / num_stages for a tile of `rows` stacked queries: the fastest measured on the
-    H200 (docs/results/tune_flashprefill.md, from scripts/gpu/tune_flashprefill.py)."""
+    H200 (docs/results/tune_flashprefill.md, from scripts/gpu/tune_flashprefill.py); SPLIT: how many programs
+    share each q-block's pages, when its `programs` (kv heads x q-blocks) would leave most of the GPU's `sms`
+    idle (a batch of one chunk after a long prefix: one program per SM, each over thousands of pages), and
+    each share keeps at least 4 tiles of pages."""
     bn = 64 if NKV >= 64 else max(16, triton.next_power_of_2(NKV))
-    return dict(BN=bn, num_warps=8 if rows >= 256 and not group_max else 4, num_stages=3 if group_max else 2)
+    split = 1
+    if programs and sms and programs < 2 * sms:
+        split = max(1, min(-(-4 * sms // programs), NKV // (4 * bn), MAX_SPLIT))
+    return dict(BN=bn, num_warps=8 if rows >= 256 and not group_max else 4, num_stages=3 if group_max else 2,
+                SPLIT=split)
+
+
+MAX_SPLIT = 8
+_SMS: dict = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 0
+    key = device.index if device.index is not None else torch.cuda.current_device()
+    if key not in _SMS:
+        _SMS[key] = torch.cuda.get_device_properties(key).multi_processor_count
+    return _SMS[key]
 
 
 def supports(head_dim: int, page_size: int, query_stride: int = 1) -> bool:
@@ -141,12 +204,20 @@ def _launch(mode, q, qb, page_table, key_sum, count, sm_scale, num_kv_heads, n_p
     G = H_q // num_kv_heads
     GP = triton.next_power_of_2(G)
     grouped = mode in (GROUP_SCORES, GROUP_RATIO)
-    cfg = launch_config(GP * P // query_stride, n_pages, grouped) if config is None else config
-    _search_kernel[(num_kv_heads, NQB)](
-        q, qb["req"], qb["cand"], qb["start"], qb["length"], page_table, key_sum, count, out,
-        q.stride(0), q.stride(1), page_table.stride(0), H_q, num_kv_heads, NQB, n_pages, float(sm_scale), float(alpha),
-        G=G, GP=GP, D=D, BN=cfg["BN"], MODE=mode, QS=query_stride, BQS=P // query_stride,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    if config is None:
+        config = launch_config(GP * P // query_stride, n_pages, grouped, num_kv_heads * NQB, _sm_count(q.device))
+    split = config.get("SPLIT", 1)
+    BQS = P // query_stride
+    # split: PHASE 1 writes each share's softmax statistics (max, denominator per query row), PHASE 2 combines
+    # them and writes its share of the output columns; else one PHASE 0 program per (kv head, q-block)
+    stats = torch.empty(split * num_kv_heads * NQB * 2 * GP * BQS, dtype=torch.float32, device=q.device) \
+        if split > 1 else out
+    for phase in ((1, 2) if split > 1 else (0,)):
+        _search_kernel[(num_kv_heads, NQB, split)](
+            q, qb["req"], qb["cand"], qb["start"], qb["length"], page_table, key_sum, count, out, stats,
+            q.stride(0), q.stride(1), page_table.stride(0), H_q, num_kv_heads, NQB, n_pages, float(sm_scale),
+            float(alpha), G=G, GP=GP, D=D, BN=config["BN"], MODE=mode, QS=query_stride, BQS=BQS, SPLIT=split,
+            PHASE=phase, num_warps=config["num_warps"], num_stages=config["num_stages"])
 
 
 def block_scores(q: torch.Tensor, qb: dict, page_table: torch.Tensor, key_sum: torch.Tensor, count: torch.Tensor,

@@ -118,7 +118,7 @@ def top_pages(scores: torch.Tensor, qb: dict, counts: torch.Tensor, page_table: 
         page_table = page_table.to(torch.int32).contiguous()
     if counts.dtype != torch.int32:
         counts = counts.to(torch.int32)
-    block = triton.next_power_of_2(NKV)
+    block = max(16, triton.next_power_of_2(NKV))   # tl.sort and tl.cumsum on a tile of at least 16
     _top_pages_kernel[(R,)](
         scores, counts, qb["w_req"], qb["w_first"], qb["w_last"], qb["w_sparse"], qb["w_qlo"], qb["w_qhi"],
         page_table, kv_indptr, kv_indices, table.view(torch.int8), NW, NKV, num_kv_heads, H_s // num_kv_heads, S2,

@@ -81,6 +81,39 @@ def test_ratio_scores_equal_reference_and_the_threshold_is_a_cut_of_them(seed, H
         assert not ((mask != ((want >= alpha) & cand[None])) & ~near).any()
 
 
+@pytest.mark.parametrize("seed", SEEDS[:4])
+@pytest.mark.parametrize("split", [2, 3])
+def test_search_split_over_pages_equals_one_program(seed, split):
+    """SPLIT programs per q-block (each over a share of its pages, softmax statistics combined): every output
+    the unsplit kernel gives, and the reference's."""
+    P, Hq, Hkv, D = 16, 6, 2, 32
+    case = random_geometry(seed, P=P, max_pages=40)
+    q, key_sum, count = queries_and_summaries(case, Hq, Hkv, D)
+    qb = case["qb"].on("cpu")
+    NKV = case["qb"].max_pages
+    args = (q, qb, case["page_table"], key_sum, count, 0.125, Hkv, NKV)
+    one = dict(BN=16, num_warps=4, num_stages=2, SPLIT=1)
+    cut = dict(one, SPLIT=split)
+    for group_max in (False, True):
+        got = flashprefill.block_scores(*args, group_max=group_max, page_size=P, config=cut)
+        torch.testing.assert_close(got, flashprefill.block_scores(*args, group_max=group_max, page_size=P, config=one),
+                                   atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(got, flashprefill_naive.block_scores(*args, group_max=group_max), atol=1e-5,
+                                   rtol=1e-4)
+    torch.testing.assert_close(flashprefill.ratio_scores(*args, page_size=P, config=cut),
+                               flashprefill_naive.ratio_scores(*args), atol=1e-5, rtol=1e-4)
+    assert torch.equal(flashprefill.threshold_mask(*args, 0.3, page_size=P, config=cut),
+                       flashprefill.threshold_mask(*args, 0.3, page_size=P, config=one))
+
+
+def test_search_splits_only_an_idle_gpu_over_long_rows():
+    cfg = flashprefill.launch_config
+    assert cfg(256, 2048, True, programs=128, sms=132)["SPLIT"] == 5        # one chunk after a 128K prefix
+    assert cfg(256, 2048, True, programs=1024, sms=132)["SPLIT"] == 1       # a batch of 8: the GPU is full
+    assert cfg(256, 200, True, programs=128, sms=132)["SPLIT"] == 1         # short rows: not worth a second launch
+    assert cfg(256, 2048, True)["SPLIT"] == 1                               # no GPU
+
+
 @pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize("G", [1, 3])
 def test_union_equals_reference(seed, G):

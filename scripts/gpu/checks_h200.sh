@@ -2,7 +2,9 @@
 # One GPU-host call: the core GPU checks, the cost gate's calibration, and a serving smoke run under SGLang's
 # default (breakable) prefill CUDA graphs. Results tarred into $OUT/checks.tgz.
 #   bash scripts/gpu/checks_h200.sh            (from the repository root, .gpu carried or unpacked earlier)
-#   STEPS="tests smoke" bash scripts/gpu/checks_h200.sh   (a subset of: tests calibrate smoke)
+#   STEPS="tests smoke" bash scripts/gpu/checks_h200.sh   (a subset of: tests calibrate smoke search)
+#   search: the FlashPrefill search split over pages against one program per q-block (equality and time),
+#   then the sparse path's host time per layer (scripts/gpu/host_profile.py)
 set -uo pipefail
 source scripts/gpu/setup.sh || exit 1
 R=/tmp/res/checks; rm -rf $R; mkdir -p $R
@@ -31,4 +33,11 @@ timeout ${SMOKE_S:-150} python3 scripts/bench_ttft.py --model llama-3.1-8b --lay
 echo "smoke: exit $? ($((SECONDS - t0)) s)"; tail -12 $R/smoke/smoke_bcg.md 2>/dev/null || tail -30 $R/smoke.log
 grep -h -i -E "error|traceback" $R/smoke/*.log 2>/dev/null | head -5
 pkill -9 -f "launch_server|sglang::" 2>/dev/null; pack
+fi
+if [[ $STEPS == *" search "* ]]; then
+t0=$SECONDS
+timeout ${SEARCH_S:-90} python3 scripts/gpu/tune_flashprefill.py --split-check > $R/split_check.md 2>&1
+echo "split check: exit $? ($((SECONDS - t0)) s)"; cat $R/split_check.md | tail -14
+timeout ${PROFILE_S:-90} python3 scripts/gpu/host_profile.py --out $R/host_profile > $R/host_profile.log 2>&1
+tail -8 $R/host_profile.log; pack
 fi

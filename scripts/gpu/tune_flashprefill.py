@@ -1,6 +1,6 @@
 """Launch-parameter sweep of the FlashPrefill search kernel (kernels/flashprefill.py) on the GPU.
 
-    source scripts/gpu/setup.sh; python3 scripts/gpu/tune_flashprefill.py
+    source scripts/gpu/setup.sh; python3 scripts/gpu/tune_flashprefill.py [--split-check]
 
 For a few serving shapes (chunks of C tokens after long prefixes; the kernel reads the page summaries
 of each q-block's candidate pages) it times every (BN, num_warps, num_stages) that compiles for the
@@ -40,7 +40,32 @@ def run(mode: str, args, P: int, cfg=None):
     return k.block_scores(*args, group_max=mode == "group_max", page_size=P, config=cfg)
 
 
+def split_check() -> int:
+    """The default launch (pages split over several programs where one chunk leaves the GPU idle) against one
+    program per (kv head, q-block), at Llama-3.1-8B heads, batch 1, chunk 1024, for each output mode."""
+    timer = Timer(torch.device("cuda"), reps=20, min_reps=20, warmup=3, budget_ms=1e9)
+    print("| prefix | mode | SPLIT | ms | ms with SPLIT 1 | speedup | max rel diff |\n|---|---|---|---|---|---|---|")
+    for prefix in (16384, 32768, 78848, 130048):
+        b = random_batch([prefix], [1024], num_q_heads=32, num_kv_heads=8, head_dim=128, page_size=64,
+                         dtype=torch.bfloat16, device="cuda", seed=0, structured=True)
+        s = batch_summaries(b)
+        args = (b.q, b.device_qblocks(), b.page_table, s.key_sum, s.count, b.sm_scale, 8, b.qblocks.max_pages)
+        for mode in MODES:
+            cfg = k.launch_config(4 * 64, b.qblocks.max_pages, mode == "group_max", 8 * b.qblocks.count,
+                                  k._sm_count(b.q.device))
+            one = dict(cfg, SPLIT=1)
+            got, ref = run(mode, args, 64, cfg), run(mode, args, 64, one)
+            err = ((got - ref).abs().max() / ref.abs().max().clamp(min=1e-30)).item()
+            ms, ms1 = timer.device_ms(lambda: run(mode, args, 64, cfg)), timer.device_ms(lambda: run(mode, args, 64, one))
+            print(f"| {prefix} | {mode} | {cfg['SPLIT']} | {ms:.3f} | {ms1:.3f} | {ms1 / ms:.2f} | {err:.1e} |",
+                  flush=True)
+        del b, s
+    return 0
+
+
 def main() -> int:
+    if "--split-check" in sys.argv:
+        return split_check()
     print(f"{torch.cuda.get_device_name()}")
     timer = Timer(torch.device("cuda"), reps=20, min_reps=20, warmup=3, budget_ms=1e9)
     for name, prefix, chunk, hq, hkv, d, P in SHAPES:
