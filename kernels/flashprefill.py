@@ -153,21 +153,27 @@ def _scores_out(q, out, qv, m, l, r_ok, pt_row, key_sum, count, g, qi, sp, H_kv,
                      mask=(offs_hp < G)[:, None] & (offs_j < hi2)[None, :])
 
 
-def launch_config(rows: int, NKV: int, group_max: bool, programs: int = 0, sms: int = 0) -> dict:
+def launch_config(rows: int, NKV: int, group_max: bool, programs: int = 0, sms: int = 0,
+                  splittable: bool = True) -> dict:
     """BN / num_warps / num_stages for a tile of `rows` stacked queries: the fastest measured on the
     H200 (docs/results/tune_flashprefill.md, from scripts/gpu/tune_flashprefill.py); SPLIT: how many programs
     share each q-block's pages, when its `programs` (kv heads x q-blocks) would leave most of the GPU's `sms`
-    idle (a batch of one chunk after a long prefix: one program per SM, each over thousands of pages), and
-    each share keeps at least 4 tiles of pages."""
+    idle (a batch of one chunk after a long prefix: one program per SM, each over thousands of pages).
+
+    The split paid on the H200 only where a q-block has at least MIN_SPLIT_PAGES pages and each share at least
+    4 tiles, and not for the threshold mask (`splittable` False), whose second phase re-derives each head's best
+    page (docs/results/split_search.md: 1.38-1.41x for the group max at 78K-128K, 0.64-0.91x for the threshold,
+    0.84-0.88x at 32K)."""
     bn = 64 if NKV >= 64 else max(16, triton.next_power_of_2(NKV))
     split = 1
-    if programs and sms and programs < 2 * sms:
+    if splittable and programs and sms and programs < 2 * sms and NKV >= MIN_SPLIT_PAGES:
         split = max(1, min(-(-4 * sms // programs), NKV // (4 * bn), MAX_SPLIT))
     return dict(BN=bn, num_warps=8 if rows >= 256 and not group_max else 4, num_stages=3 if group_max else 2,
                 SPLIT=split)
 
 
 MAX_SPLIT = 8
+MIN_SPLIT_PAGES = 1024
 _SMS: dict = {}
 
 
@@ -205,7 +211,8 @@ def _launch(mode, q, qb, page_table, key_sum, count, sm_scale, num_kv_heads, n_p
     GP = triton.next_power_of_2(G)
     grouped = mode in (GROUP_SCORES, GROUP_RATIO)
     if config is None:
-        config = launch_config(GP * P // query_stride, n_pages, grouped, num_kv_heads * NQB, _sm_count(q.device))
+        config = launch_config(GP * P // query_stride, n_pages, grouped, num_kv_heads * NQB, _sm_count(q.device),
+                               splittable=mode != THRESHOLD)
     split = config.get("SPLIT", 1)
     BQS = P // query_stride
     # split: PHASE 1 writes each share's softmax statistics (max, denominator per query row), PHASE 2 combines

@@ -272,7 +272,7 @@ class Gate:
             return gate(GateDecision(FALLBACK_MIN_CONTEXT, "fallback", f"the cost model does not price selector "
                                      f"{config.selector!r}'s search: min_context {FALLBACK_MIN_CONTEXT} "
                                      "(--compact-min-context sets another)"))
-        density = spec.expected_density(config.params)
+        density = spec.expected_density(config.params, num_layers)
         chunk = chunk_size if chunk_size and chunk_size > 0 else 8192
         forced = config.sink_blocks + config.recent_blocks + window // shape.page_size
         dense_above = above if above is not None else (1.0 if config.dense_above is None else config.dense_above)

@@ -81,6 +81,12 @@ def test_expected_densities_come_from_the_selectors():
     assert selector_spec("budget").expected_density(CompactConfig(selector="budget",
                                                                   selector_params={"density": 0.2}).params) == 0.2
     assert selector_spec("dense").expected_density(CompactConfig(selector="dense").params) == 1.0
+    # per-layer budgets: the mean over the model's layers (5 of 24 layers at 0.6, the rest at 0.28)
+    per_layer = CompactConfig(selector="mass_budget", selector_params={"density": 0.28, "layer_density": "2-6:0.6"})
+    assert selector_spec("mass_budget").expected_density(per_layer.params) == pytest.approx(0.28)
+    assert selector_spec("mass_budget").expected_density(per_layer.params, 24) == pytest.approx(
+        (5 * 0.6 + 19 * 0.28) / 24)
+    assert selector_spec("dense").expected_density(CompactConfig(selector="dense").params, 24) == 1.0
     assert selector_spec("budget").fixes_row_lengths and not selector_spec("flashprefill").fixes_row_lengths
     assert selector_spec("flashprefill").uses_summaries and not selector_spec("oracle").uses_summaries
 

@@ -231,6 +231,20 @@ def test_the_server_gate_prices_its_own_passes():
     assert dl.dense_above < plain.dense_above
 
 
+def test_the_gate_prices_per_layer_budgets_at_their_mean():
+    """`layer_density` reads more (or fewer) pages in the layers it names: the gate's expected density is the
+    mean over the model's layers, so more pages in some layers move the break-even context up."""
+    from unittest import mock
+
+    cfg = CompactConfig(block_size=64, selector="budget", selector_params={"density": 0.3})
+    more = cfg.replace(selector_params={"density": 0.3, "layer_density": "0-15:0.9"})
+    with mock.patch("sglang_compact.gate.cost_model_for", return_value=model()):
+        flat = Gate.for_server(cfg, SHAPE_8B, 1024, "test", "fa3", 131072, "fa2", num_layers=32).decision
+        half = Gate.for_server(more, SHAPE_8B, 1024, "test", "fa3", 131072, "fa2", num_layers=32).decision
+    assert "expected density 0.30" in flat.detail and "expected density 0.60" in half.detail
+    assert half.never or half.min_context > flat.min_context
+
+
 @pytest.mark.parametrize("selector", ["mass_budget", "xattention", "oracle"])
 def test_a_search_the_cost_model_does_not_price_gets_the_fallback_context(selector):
     """The shipped model prices the FlashPrefill mean-key search only: a selector that reads the keys

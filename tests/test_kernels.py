@@ -111,6 +111,9 @@ def test_search_splits_only_an_idle_gpu_over_long_rows():
     assert cfg(256, 2048, True, programs=128, sms=132)["SPLIT"] == 5        # one chunk after a 128K prefix
     assert cfg(256, 2048, True, programs=1024, sms=132)["SPLIT"] == 1       # a batch of 8: the GPU is full
     assert cfg(256, 200, True, programs=128, sms=132)["SPLIT"] == 1         # short rows: not worth a second launch
+    assert cfg(256, 512, True, programs=128, sms=132)["SPLIT"] == 1         # 32K: the split was slower on the H200
+    assert cfg(256, 1232, False, programs=128, sms=132)["SPLIT"] == 4       # 78K, per-head scores
+    assert cfg(256, 2048, True, programs=128, sms=132, splittable=False)["SPLIT"] == 1   # the threshold mask
     assert cfg(256, 2048, True)["SPLIT"] == 1                               # no GPU
 
 

@@ -41,23 +41,27 @@ def run(mode: str, args, P: int, cfg=None):
 
 
 def split_check() -> int:
-    """The default launch (pages split over several programs where one chunk leaves the GPU idle) against one
-    program per (kv head, q-block), at Llama-3.1-8B heads, batch 1, chunk 1024, for each output mode."""
+    """Pages split over several programs (as many as an idle GPU would get, whatever the default's gates)
+    against one program per (kv head, q-block), at Llama-3.1-8B heads, batch 1, chunk 1024, for each output
+    mode; the last column is the SPLIT the default launch picks there."""
     timer = Timer(torch.device("cuda"), reps=20, min_reps=20, warmup=3, budget_ms=1e9)
-    print("| prefix | mode | SPLIT | ms | ms with SPLIT 1 | speedup | max rel diff |\n|---|---|---|---|---|---|---|")
+    print("| prefix | mode | SPLIT | ms | ms with SPLIT 1 | speedup | max rel diff | default SPLIT |\n"
+          "|---|---|---|---|---|---|---|---|")
     for prefix in (16384, 32768, 78848, 130048):
         b = random_batch([prefix], [1024], num_q_heads=32, num_kv_heads=8, head_dim=128, page_size=64,
                          dtype=torch.bfloat16, device="cuda", seed=0, structured=True)
         s = batch_summaries(b)
         args = (b.q, b.device_qblocks(), b.page_table, s.key_sum, s.count, b.sm_scale, 8, b.qblocks.max_pages)
+        sms, NKV = k._sm_count(b.q.device), b.qblocks.max_pages
         for mode in MODES:
-            cfg = k.launch_config(4 * 64, b.qblocks.max_pages, mode == "group_max", 8 * b.qblocks.count,
-                                  k._sm_count(b.q.device))
-            one = dict(cfg, SPLIT=1)
-            got, ref = run(mode, args, 64, cfg), run(mode, args, 64, one)
+            launch = dict(rows=4 * 64, NKV=NKV, group_max=mode == "group_max", programs=8 * b.qblocks.count, sms=sms)
+            default = k.launch_config(**launch, splittable=mode != "threshold")["SPLIT"]
+            one = dict(k.launch_config(**launch), SPLIT=1)
+            cut = dict(one, SPLIT=max(2, min(-(-4 * sms // launch["programs"]), NKV // (4 * one["BN"]), k.MAX_SPLIT)))
+            got, ref = run(mode, args, 64, cut), run(mode, args, 64, one)
             err = ((got - ref).abs().max() / ref.abs().max().clamp(min=1e-30)).item()
-            ms, ms1 = timer.device_ms(lambda: run(mode, args, 64, cfg)), timer.device_ms(lambda: run(mode, args, 64, one))
-            print(f"| {prefix} | {mode} | {cfg['SPLIT']} | {ms:.3f} | {ms1:.3f} | {ms1 / ms:.2f} | {err:.1e} |",
+            ms, ms1 = timer.device_ms(lambda: run(mode, args, 64, cut)), timer.device_ms(lambda: run(mode, args, 64, one))
+            print(f"| {prefix} | {mode} | {cut['SPLIT']} | {ms:.3f} | {ms1:.3f} | {ms1 / ms:.2f} | {err:.1e} | {default} |",
                   flush=True)
         del b, s
     return 0

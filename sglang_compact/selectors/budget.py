@@ -51,13 +51,22 @@ def layer_densities(params) -> dict[int, float]:
         raise ValueError(f"layer_density: {e}") from None
 
 
+def expected_density(params, num_layers: int | None = None) -> float:
+    """The fraction a pass reads, before forced pages: `density`, or with `layer_density` and the model's
+    layer count, the mean over its layers."""
+    own = layer_densities(params)
+    if not own or not num_layers:
+        return params.density
+    return sum(own.get(layer, params.density) for layer in range(num_layers)) / num_layers
+
+
 @functools.lru_cache(maxsize=64)
 def _parse_densities(text: str) -> dict[int, float]:
     return parse_layer_values(text, 0.0, 1.0)
 
 
 @register_selector("budget", params=BudgetParams, fixes_row_lengths=True, uses_summaries=True,
-                   expected_density=lambda p: p.density)
+                   expected_density=expected_density)
 class BudgetSelector(Selector):
     """A fixed fraction of each row's pages, best mean-key scores first."""
 

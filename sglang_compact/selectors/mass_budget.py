@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from sglang_compact.selectors.base import Selection
-from sglang_compact.selectors.budget import BudgetSelector, RowBudgetParams
+from sglang_compact.selectors.budget import BudgetSelector, RowBudgetParams, expected_density
 from sglang_compact.selectors.registry import param, register_selector
 from sglang_compact.selectors.xattention import antidiagonal_page_mass
 
@@ -39,7 +39,7 @@ class MassBudgetParams(RowBudgetParams):
 
 
 @register_selector("mass_budget", params=MassBudgetParams, fixes_row_lengths=True, priced_search=False,
-                   expected_density=lambda p: p.density)
+                   expected_density=expected_density)
 class MassBudgetSelector(BudgetSelector):
     """A fixed fraction of each row's pages, highest estimated attention mass (XAttention's scoring) first."""
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import inspect
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
@@ -151,8 +152,9 @@ class SelectorSpec:
         (`Selector.fill`), so the row lengths are known on the host after it and one fa3 plan serves the rest
         of the pass.
     uses_summaries: it scores the pages' mean keys (`PageSummaries`), which the backend then keeps.
-    expected_density: the fraction of a long context it typically reads (from the parameters), which the
-        cost gate weighs against its overhead.
+    expected_density: the fraction of a long context it typically reads (from the parameters and, where they
+        set layers apart, the model's layer count: `expected_density(params, num_layers=None)`), which the cost
+        gate weighs against its overhead.
     priced_search: the cost model's search term (the FlashPrefill mean-key kernel, calibrated per GPU) prices
         its search. False: nothing calibrated prices it, so the gate does not predict when it pays (a fixed
         context threshold, or `--compact-min-context`) and there is no observed-density fallback.
@@ -163,7 +165,7 @@ class SelectorSpec:
     params: type[SelectorParams]
     fixes_row_lengths: bool
     uses_summaries: bool
-    expected_density: Callable[[SelectorParams], float]
+    expected_density: Callable[..., float]
     help: str
     fixes_rows_at_observing_layer: Callable[[SelectorParams], bool] = lambda _p: False
     priced_search: bool = True
@@ -172,13 +174,25 @@ class SelectorSpec:
         return self.cls(config)
 
 
+def _per_pass_density(expected_density) -> Callable[..., float]:
+    """`expected_density` as `f(params, num_layers=None)`: a constant, a function of the parameters only, or one
+    that also takes the model's layer count (per-layer budgets)."""
+    if not callable(expected_density):
+        return lambda _p, num_layers=None, d=float(expected_density): d
+    try:
+        takes_layers = len(inspect.signature(expected_density).parameters) >= 2
+    except (TypeError, ValueError):
+        takes_layers = False
+    return expected_density if takes_layers else (lambda p, num_layers=None, f=expected_density: f(p))
+
+
 _REGISTRY: dict[str, SelectorSpec] = {}
 _entry_points_loaded = False
 
 
 def register_selector(name: str, *, params: type[SelectorParams] = NoParams, fixes_row_lengths: bool = False,
                       uses_summaries: bool = False,
-                      expected_density: float | Callable[[SelectorParams], float] = 1.0,
+                      expected_density: float | Callable[..., float] = 1.0,
                       fixes_rows_at_observing_layer: Callable[[SelectorParams], bool] | None = None,
                       priced_search: bool = True) -> Callable[[type], type]:
     """Class decorator registering a `Selector` subclass under `name` (re-registering a name replaces it)."""
@@ -186,7 +200,7 @@ def register_selector(name: str, *, params: type[SelectorParams] = NoParams, fix
         raise ValueError(f"selector name {name!r} must be letters, digits, '-' or '_'")
     if not (isinstance(params, type) and issubclass(params, SelectorParams)):
         raise TypeError(f"selector {name!r}: params must be a SelectorParams dataclass, got {params!r}")
-    density = expected_density if callable(expected_density) else (lambda _p, d=float(expected_density): d)
+    density = _per_pass_density(expected_density)
 
     def deco(cls: type) -> type:
         doc = (cls.__doc__ or "").strip().splitlines()
