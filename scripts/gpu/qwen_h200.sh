@@ -6,12 +6,23 @@
 #       (results tarred into $OUT/qwen.tgz)
 #   bash scripts/gpu/qwen_h200.sh accuracy [accuracy_h200.py flags]       the accuracy suite on /tmp/qwen
 #       (default: 8K, 16K and 32K, chunk 1024; results tarred into $OUT/qwen_accuracy.tgz)
+#   bash scripts/gpu/qwen_h200.sh prepare                                  only the joins and the conversion (~2-3 min on
+#       a fresh machine): send it with the last piece's call so the next call's time goes to its job
 #   bash scripts/gpu/qwen_h200.sh dense-check [serving_check.py flags]    compact's dense path on Qwen's shapes:
 #       the executor's GPU test through a 32K prompt, then `compact --compact-selector dense` (fa2 and auto)
 #       against stock token for token at 4K-32K, page 32, chunk 1024 (results in $OUT/qwen_dense.tgz)
+# Under an outer `timeout`, a job cut short still stops its servers and tars what it wrote (the SIGTERM trap).
 set -uo pipefail
 JOB=ttft
-if [[ ${1:-} == ttft || ${1:-} == accuracy || ${1:-} == dense-check ]]; then JOB=$1; shift; fi
+if [[ ${1:-} =~ ^(ttft|accuracy|dense-check|prepare)$ ]]; then JOB=$1; shift; fi
+PACK=""
+cut_short() {
+  echo "qwen_h200.sh: terminated; packing what the job wrote"
+  pkill -9 -f "launch_server|sglang::" 2>/dev/null
+  [ -n "$PACK" ] && eval "$PACK"
+  exit 124
+}
+trap cut_short TERM
 source scripts/gpu/setup.sh || exit 1
 python3 scripts/gpu/pieces.py collect .pieces --into /tmp/pieces > /dev/null 2>&1 || true
 # the FA3 join decompresses with zstandard (its wheel comes with the first piece; a fresh machine lacks it)
@@ -29,8 +40,13 @@ if [ ! -f /tmp/qwen/config.json ]; then
   python3 scripts/convert_gguf.py --model qwen2.5-coder --gguf /tmp/qwen.gguf --out /tmp/qwen --dtype bfloat16 \
     --quiet > /tmp/res/qwen_convert.log 2>&1; echo "convert: exit $?"; tail -2 /tmp/res/qwen_convert.log
 fi
+if [[ $JOB == prepare ]]; then
+  [ -f /tmp/qwen/config.json ] && echo "prepared: /tmp/qwen" || { echo "prepare: no /tmp/qwen"; exit 1; }
+  exit 0
+fi
 if [[ $JOB == dense-check ]]; then
   R=/tmp/res/qwen_dense; rm -rf $R; mkdir -p $R
+  PACK="tar czf $OUT/qwen_dense.tgz -C /tmp/res qwen_dense"
   timeout 150 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu_core.py -k "qwen_shapes or dense_pass" -s \
     > $R/gpu_test.log 2>&1
   echo "gpu tests: $(tail -1 $R/gpu_test.log)"; grep -E "^FAILED|qwen dense .* rel_err=[^0]" $R/gpu_test.log | head
@@ -52,6 +68,7 @@ PY
 fi
 if [[ $JOB == accuracy ]]; then
   R=/tmp/res/qwen_accuracy; rm -rf $R; mkdir -p $R
+  PACK="tar czf $OUT/qwen_accuracy.tgz -C /tmp/res qwen_accuracy"
   python3 scripts/gpu/accuracy_h200.py --model-dir /tmp/qwen --model-name qwen2.5-coder-0.5b --chunk 1024 \
     --lengths 8192 16384 32512 --out $R "$@" > $R/run.log 2>&1
   echo "accuracy: exit $?"; tail -30 $R/accuracy.md 2>/dev/null || tail -30 $R/run.log
@@ -60,6 +77,7 @@ if [[ $JOB == accuracy ]]; then
   exit 0
 fi
 R=/tmp/res/qwen; rm -rf $R; mkdir -p $R
+PACK="tar czf $OUT/qwen.tgz -C /tmp/res qwen"
 python3 scripts/bench_ttft.py --model-path /tmp/qwen --model-name qwen2.5-coder-0.5b --page-size 32 \
   --contexts 4096,8192,16384,31744 --chunks 1024,8192 --batches 1 \
   --methods flashinfer,fa3,compact,compact-dense,flashinfer-again \
