@@ -70,12 +70,12 @@ class CompactAttention:
 
     def select_pages(self, batch: ChunkBatch, layer: int = 0, summaries: LayerSummaries | None = None,
                      buffers: IndexBuffers | None = None, with_stats: bool = False,
-                     fill: tuple[torch.Tensor, int] | None = None) -> PageSelection:
+                     fill: torch.Tensor | None = None) -> PageSelection:
         """Search, union (forced pages, the density cap) and paged indices. No host sync on CUDA.
 
         summaries: this layer's page summaries (computed from the pool when the selector needs them and
-        none are given). with_stats: compute the density (and the cap's coverage). fill: (counts, their
-        largest): every row keeps exactly that many pages (`Selector.fill`; rows fixed at the pass's first
+        none are given). with_stats: compute the density (and the cap's coverage). fill: pages per row
+        (device int32 [H_kv * NW]): every row keeps exactly that many pages (`Selector.fill`; rows fixed at the pass's first
         layer), the density cap already in the counts.
         """
         cfg = self.config
@@ -84,7 +84,7 @@ class CompactAttention:
         if summaries is None and self.uses_summaries:
             summaries = LayerSummaries.from_pool(batch.k_pool, batch.page_table, batch.context_lens_cpu())
         sel = self.selector.select(batch, layer, summaries) if fill is None else \
-            self.selector.fill(batch, layer, summaries, *fill)
+            self.selector.fill(batch, layer, summaries, fill)
         # rows of a fixed length (filled rows have the density cap in their counts): one kernel to the indices
         if sel.ranked is not None and (fill is not None or cfg.density_cap is None):
             table, indices = top_pages_indices(sel.ranked, sel.counts, batch, cfg.sink_blocks, cfg.recent_blocks,

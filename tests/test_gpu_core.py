@@ -326,7 +326,7 @@ def test_flashprefill_rows_fixed_at_the_first_layer_run_on_fa3_planned_once(hq, 
     assert once.mode == "rows" and once._rows_kernel == "fa3"
     per_layer = executor(layers[0], "fa3")
     per_layer.plan_forward(ForwardShape.of(layers[0], None), layers[0].page_table)
-    fill = (first.counts, max(rows))
+    fill = first.counts
     for i, b in enumerate(layers):
         s = batch_summaries(b)
         sel = ca.select_pages(b, i, s, buffers=once.index_buffers, fill=None if i == 0 else fill)

@@ -241,14 +241,14 @@ def test_flashprefill_fill_keeps_the_counts_and_at_the_thresholds_counts_is_the_
     b0 = make_batch(6, sparse_ranges=ranges)
     first = ca.select_pages(b0, with_stats=True)
     counts = first.counts.clone()
-    again = ca.select_pages(b0, fill=(counts, int(counts.max())))
+    again = ca.select_pages(b0, fill=counts)
     assert torch.equal(again.counts, counts)
     differ = (again.table != first.table).sum().item()
     assert differ <= 2, differ                       # a tie at the cut may swap a page
     # another layer (other data, same lengths and page table): exactly the counts, forced pages kept
     b1 = dataclasses.replace(b0, q=torch.randn_like(b0.q), k_pool=torch.randn_like(b0.k_pool),
                              v_pool=torch.randn_like(b0.v_pool))
-    later = ca.select_pages(b1, fill=(counts, int(counts.max())), with_stats=True)
+    later = ca.select_pages(b1, fill=counts, with_stats=True)
     assert torch.equal(later.table.sum(-1, dtype=torch.int32).reshape(-1), counts)
     qb = b1.qblocks
     forced = b1.forced(1, 2)
@@ -262,7 +262,7 @@ def test_flashprefill_fill_keeps_the_counts_and_at_the_thresholds_counts_is_the_
     ex.plan_forward(ForwardShape.of(b1, counts.tolist()), b1.page_table)
     torch.testing.assert_close(ex.run(b1, later.indices), reference_attention(b1, later.table), rtol=1e-5, atol=1e-5)
     with pytest.raises(NotImplementedError, match="does not fill"):
-        CompactAttention(cfg("oracle")).select_pages(b0, fill=(counts, int(counts.max())))
+        CompactAttention(cfg("oracle")).select_pages(b0, fill=counts)
 
 
 def test_flashprefill_keeps_the_pages_a_head_scores_above_alpha_of_its_best():

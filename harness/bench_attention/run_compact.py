@@ -49,7 +49,7 @@ def run_compact(run: ConfigRun, m: Method, row: dict):
     fill, rows = None, ca.row_pages(b)
     if ca.config.spec.fixes_rows_at_observing_layer(ca.config.params):
         first = ca.select_pages(b, 0, run.summaries)     # the observing layer: its threshold fixes the rows
-        fill, rows = (first.counts, int(first.counts.max())), first.counts.tolist()
+        fill, rows = first.counts, first.counts.tolist()
     ex, bf_ms = run.executor(m.backend, rows if m.backend == "fa3" else None)
     buffers = ex.index_buffers
     mode = getattr(ex, "mode", None)
@@ -79,8 +79,8 @@ def run_compact(run: ConfigRun, m: Method, row: dict):
         return
     cfg = ca.config
     if fill is not None:
-        sel = ca.selector.fill(b, 0, run.summaries, *fill)
-        search_ms = t.device_ms(lambda: ca.selector.fill(b, 0, run.summaries, *fill))
+        sel = ca.selector.fill(b, 0, run.summaries, fill)
+        search_ms = t.device_ms(lambda: ca.selector.fill(b, 0, run.summaries, fill))
     else:
         sel, search_ms = run.search(m, ca, retime=True)
     row["search_ms"] = search_ms

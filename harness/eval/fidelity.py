@@ -422,7 +422,7 @@ class MethodRun(NamedTuple):
     output: torch.Tensor | None    # [C, H_q, D]
     allowed: torch.Tensor | None   # bool, broadcastable to [H_q, C, E] (causal)
     density: float
-    fixed: tuple[torch.Tensor, int] | None = None   # at the observing layer: (pages per row, the most), for `fill`
+    fixed: torch.Tensor | None = None   # at the observing layer: pages per row (int32), for `fill`
 
 
 def run_method(method: Method, batch: ChunkBatch, layer: int, cfg: CompactConfig, compact: CompactAttention | None,
@@ -445,7 +445,7 @@ def run_method(method: Method, batch: ChunkBatch, layer: int, cfg: CompactConfig
                              "run the observing layer of this chunk first")
         sel = compact.select_pages(batch, layer, summaries, with_stats=True, fill=fill if role == "fill" else None)
         d = float(sel.density)
-        fixed = (sel.counts.to(torch.int32), int(sel.counts.max())) if role == "observe" else None
+        fixed = sel.counts.to(torch.int32) if role == "observe" else None
         if not outputs:
             return MethodRun(None, None, d, fixed)
         ex = TorchExecutor()
@@ -551,7 +551,7 @@ def simulate(layers: Sequence[LayerQKV], methods: Iterable[Method | str], *, chu
     ids = wanted
     if any(roles[m.label][li] == "fill" for m in methods for li in wanted) and OBSERVING_LAYER not in wanted:
         ids = sorted({*wanted, OBSERVING_LAYER})   # run for its counts (the later layers keep them), not reported
-    fixed: dict[tuple[str, int], tuple[torch.Tensor, int]] = {}   # (method, chunk start) -> the observing layer's
+    fixed: dict[tuple[str, int], torch.Tensor] = {}   # (method, chunk start) -> the observing layer's
     for li in ids:
         report = li in wanted
         lq = layers[li]

@@ -47,7 +47,7 @@ class _State:
     prompt_len: int
     engine: CompactAttention | None = None
     densities: list[float] = field(default_factory=list)
-    fixed: dict[int, tuple[torch.Tensor, int]] = field(default_factory=dict)   # chunk start -> observing layer's
+    fixed: dict[int, torch.Tensor] = field(default_factory=dict)   # chunk start -> the observing layer's pages per row
 
 
 _STATE: _State | None = None

@@ -54,7 +54,7 @@ def make_layer(selector: str, params: dict, kernel: str, context: int, chunk: in
     row_pages, fill = ca.row_pages(b), None
     if params.get("fix_rows"):   # a later layer of the pass: rows filled to the observing layer's counts
         row_pages = ca.select_pages(b, 1, s).counts.tolist()
-        fill = (torch.tensor(row_pages, dtype=torch.int32, device="cuda"), max(row_pages))
+        fill = torch.tensor(row_pages, dtype=torch.int32, device="cuda")
     ex.plan_forward(ForwardShape.of(b, row_pages), b.page_table)
 
     def layer():

@@ -88,9 +88,9 @@ class Selector:
         """
         raise NotImplementedError
 
-    def fill(self, batch: ChunkBatch, layer: int, summaries: LayerSummaries | None, counts: torch.Tensor,
-             max_count: int) -> Selection:
-        """Exactly `counts[r]` pages in each row r = g * NW + w (device int [H_kv * NW]; `max_count` the largest):
+    def fill(self, batch: ChunkBatch, layer: int, summaries: LayerSummaries | None, counts: torch.Tensor
+             ) -> Selection:
+        """Exactly `counts[r]` pages in each row r = g * NW + w (device int [H_kv * NW]):
         the later layers of a pass whose observing layer fixed the row lengths (`spec.fixes_rows_at_observing_layer`)."""
         raise NotImplementedError(f"selector {self.name!r} does not fill rows to given counts")
 

@@ -56,8 +56,8 @@ class FlashPrefillSelector(Selector):
         mask = threshold_rows(scores, batch.candidates()[None], p.alpha)
         return Selection(mask=mask, scores=scores)
 
-    def fill(self, batch, layer, summaries, counts, max_count):
-        """Exactly `counts[r]` pages per row r (device int [H_kv * NW], largest `max_count`): the forced pages,
+    def fill(self, batch, layer, summaries, counts):
+        """Exactly `counts[r]` pages per row r (device int [H_kv * NW]): the forced pages,
         then the candidates by their best ratio to their head's best score over the window's q-blocks."""
         p = self.params
         args = (batch.q, batch.device_qblocks(), batch.page_table, summaries.key_sum, summaries.count,

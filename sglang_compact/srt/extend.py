@@ -46,7 +46,7 @@ class ExtendMetadata:
     sparse: bool           # some q-block reads a selection
     recall: tuple[int, int] | None = None   # (layer, kv head) that measures its selection's mass recall
     observe: bool = False  # the next sparse layer reads the rows' page counts (density fallback, fixed rows)
-    fill: tuple[torch.Tensor, int] | None = None   # rows fixed at the observing layer: (pages per row, the most)
+    fill: torch.Tensor | None = None   # rows fixed at the observing layer: pages per row (device int32)
     first_read_all: int = 0  # layers that read every page before the observing one
     executor_dense: bool = False   # the executor is planned for the dense first layer (until the observing one)
 
@@ -138,7 +138,7 @@ class ExtendPlanner:
             new = md.template.qblocks
             NW, full = new.windows, new.full_counts()
             row_pages = [c if new.w_sparse[r % NW] else full[r % NW] for r, c in enumerate(counts)]
-            md.fill = (torch.tensor(row_pages, dtype=torch.int32).to(rt.device, non_blocking=True), max(row_pages))
+            md.fill = torch.tensor(row_pages, dtype=torch.int32).to(rt.device, non_blocking=True)
         replan = executor_dense or bool(dense) or row_pages is not None if md.sparse else not executor_dense
         if replan:
             rt.executor.plan_forward(ForwardShape.of(md.template, row_pages), t.page_table)
