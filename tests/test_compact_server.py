@@ -4,7 +4,7 @@ Real scheduler, radix cache, chunked prefill and a paged head-major pool
 (page 16, chunks of 128 tokens, so a 1-2K-token prompt spans 8-16 chunks),
 on SmolLM2-135M-Instruct's real weights in float32:
 
-1. selector `dense` (the stock path), `budget` and `mass_budget` at density 1.0 (every q-block
+1. selector `dense` (the stock path), `budget`, `mass_budget` and `quest_budget` at density 1.0 (every q-block
    through the sparse machinery: search, union, paged indices, rows) give greedy
    tokens equal to SGLang's `torch_native` backend on 6 prompts (up to near ties);
 2. selector `flashprefill` serves a long prompt; the same prompt after a cache hit
@@ -63,7 +63,9 @@ def server(model_dir, backend_args, **kw):
     ["--compact-selector", "budget", "--compact-density", "1.0", "--compact-min-context", "0"],
     ["--compact-selector", "mass_budget", "--compact-selector-params", '{"density": 1.0}',
      "--compact-min-context", "0"],
-], ids=["dense", "budget-1.0", "mass_budget-1.0"])
+    ["--compact-selector", "quest_budget", "--compact-selector-params", '{"density": 1.0}',
+     "--compact-min-context", "0"],
+], ids=["dense", "budget-1.0", "mass_budget-1.0", "quest_budget-1.0"])
 def test_dense_reads_match_torch_native(model_dir, selector_args):
     ps = prompts()
     with server(model_dir, ["--attention-backend", "torch_native"]) as ref_srv:

@@ -200,11 +200,49 @@ def test_mass_budget_finds_a_needle_page_that_mean_keys_dilute():
     config = dict(block_size=P, sink_blocks=0, recent_blocks=0, selector_params={"density": 0.4})
     summaries = LayerSummaries.from_pool(b.k_pool, b.page_table, b.context_lens_cpu())
     tables = {}
-    for name in ("mass_budget", "budget"):
+    for name in ("mass_budget", "quest_budget", "budget"):
         c = CompactConfig(selector=name, **config)
         tables[name] = rows(make_selector(c).select(b, 0, summaries), b, c)
     assert tables["mass_budget"][0, 0, needle_pages].all()
+    assert tables["quest_budget"][0, 0, needle_pages].all()    # the channel bound sees the one matching token
     assert not tables["budget"][0, 0, needle_pages].any()
+
+
+def test_quest_bound_scores_equal_a_per_query_loop():
+    """`quest_budget`'s scores against a loop over queries and pages: u = sum_d max(q_d kmax_d, q_d kmin_d) (an
+    upper bound of every q . k of the page), softmax over the q-block's candidate pages, max over its queries."""
+    from sglang_compact.selectors.quest_budget import bound_scores
+    torch.manual_seed(1)
+    b = batch(7, prefix=(200, 64, 330), chunk=(45, 20, 9), hq=4, hkv=2, d=16)
+    got = bound_scores(b)
+    qb, P, G = b.qblocks, b.page_size, b.group_size
+    want = torch.zeros_like(got)
+    for i in range(qb.count):
+        r, a = qb.req[i], int(b.device_qblocks()["cand"][i])
+        if a == 0:
+            continue
+        keys = b.context_keys(r).float()                                   # [H_kv, E, D]
+        for h in range(b.num_q_heads):
+            k = keys[h // G, :a * P].reshape(a, P, -1)
+            best = torch.zeros(a)
+            for t in range(qb.start[i], qb.start[i] + qb.length[i]):
+                q = b.q[t, h].float()
+                u = torch.maximum(q * k.amax(1), q * k.amin(1)).sum(-1) * b.sm_scale   # [a]
+                assert (u + 1e-4 >= (k @ q).amax(-1) * b.sm_scale).all()              # an upper bound
+                best = torch.maximum(best, torch.softmax(u, -1))
+            want[h, i, :a] = best
+    assert (want > 0).sum() > 100                                            # q-blocks with candidates were scored
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+
+
+def test_quest_budget_rows_are_fixed_on_the_host():
+    from sglang_compact.compact import CompactAttention
+    b = batch(12, prefix=(300, 37, 520), chunk=(40, 17, 33))
+    ca = CompactAttention(CompactConfig(block_size=P, sink_blocks=1, recent_blocks=1, selector="quest_budget",
+                                        selector_params={"density": 0.25}))
+    sel = ca.select_pages(b, 0)
+    assert sel.counts.tolist() == ca.row_pages(b)
+    assert ca.config.spec.fixes_row_lengths and not ca.config.spec.priced_search
 
 
 @pytest.mark.parametrize("name", ["budget", "mass_budget"])

@@ -4,8 +4,8 @@
 from sglang_compact.selectors.base import Selection, Selector
 from sglang_compact.selectors.registry import (SelectorParams, SelectorSpec, param, register_selector,
                                                selector_names, selector_spec)
-from sglang_compact.selectors import (budget, dense, flashprefill, mass_budget, oracle, seer,  # noqa: F401,E402
-                                     xattention)  # (register)
+from sglang_compact.selectors import (budget, dense, flashprefill, mass_budget, oracle, quest_budget,  # noqa: F401,E402
+                                     seer, xattention)  # (register)
 
 
 def make_selector(config) -> Selector:
