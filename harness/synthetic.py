@@ -77,5 +77,5 @@ def random_batch(prefix_lens: Sequence[int], chunk_lens: Sequence[int], *, num_q
 
 
 def batch_summaries(batch: ChunkBatch) -> LayerSummaries:
-    """The page summaries a server would hold for this batch's pool."""
-    return LayerSummaries.from_pool(batch.k_pool, batch.page_table, batch.context_lens_cpu())
+    """The page summaries a server would hold for this batch's pool (with the key bounds `quest_budget` reads)."""
+    return LayerSummaries.from_pool(batch.k_pool, batch.page_table, batch.context_lens_cpu(), key_bounds=True)

@@ -21,6 +21,10 @@ Llama-3.1-8B heads, chunk 1024, are 128 programs over thousands of pages each), 
 q-block's pages (`launch_config`): a first launch writes each share's per-query max and denominator, a
 second combines them and writes its share of the output columns.
 
+With `key_bounds` (each page's per-channel key max and min, `summaries.PageSummaries(key_bounds=True)`) a
+page's logit is Quest's upper bound q+ . kmax + q- . kmin on every q . k of the page instead of q . mean key:
+two dot products per tile, the rest unchanged (`quest_budget`).
+
 Dot products run on the tensor cores in the queries' dtype with float32
 accumulation, so scores match the float32 reference to the input precision
 (bf16 ~ 1e-2 relative).
@@ -36,10 +40,11 @@ SCORES, GROUP_SCORES, THRESHOLD, GROUP_RATIO = 0, 1, 2, 3
 
 
 @triton.jit
-def _search_kernel(q, qb_req, qb_cand, qb_start, qb_len, page_table, key_sum, count, out, stats,
+def _search_kernel(q, qb_req, qb_cand, qb_start, qb_len, page_table, key_sum, count, key_max, key_min, out, stats,
                    stride_qt, stride_qh, stride_pt, H_q, H_kv, NQB, NKV, sm_scale, alpha,
                    G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BN: tl.constexpr, MODE: tl.constexpr,
-                   QS: tl.constexpr, BQS: tl.constexpr, SPLIT: tl.constexpr, PHASE: tl.constexpr):
+                   QS: tl.constexpr, BQS: tl.constexpr, SPLIT: tl.constexpr, PHASE: tl.constexpr,
+                   BOUNDS: tl.constexpr):
     g = tl.program_id(0)
     qi = tl.program_id(1)
     sp = tl.program_id(2)
@@ -56,6 +61,13 @@ def _search_kernel(q, qb_req, qb_cand, qb_start, qb_len, page_table, key_sum, co
     offs_d = tl.arange(0, D)
     qv = tl.load(q + (start + offs_u).to(tl.int64)[:, None] * stride_qt + h[:, None] * stride_qh + offs_d[None, :],
                  mask=r_ok[:, None], other=0.0)
+    # with BOUNDS a page's logit is Quest's bound q+ . kmax + q- . kmin: q_pos holds q+, q_neg q- (else q_pos is q)
+    if BOUNDS:
+        q_pos = tl.maximum(qv, 0.0).to(qv.dtype)
+        q_neg = tl.minimum(qv, 0.0).to(qv.dtype)
+    else:
+        q_pos = qv
+        q_neg = qv
     pt_row = page_table + b.to(tl.int64) * stride_pt
     qk_scale = sm_scale * 1.4426950408889634  # logits in base 2: exp2 is the native instruction
     # pass 1: per-query max and denominator over the candidate pages (PHASE 1: over this split's share of them,
@@ -83,11 +95,8 @@ def _search_kernel(q, qb_req, qb_cand, qb_start, qb_len, page_table, key_sum, co
         for j0 in range(lo1, hi1, BN):
             offs_j = j0 + tl.arange(0, BN)
             j_ok = offs_j < hi1
-            pid = tl.load(pt_row + offs_j, mask=j_ok, other=0).to(tl.int64)
-            inv_n = 1.0 / tl.maximum(tl.load(count + pid, mask=j_ok, other=1), 1).to(tl.float32)
-            k = tl.load(key_sum + (pid * H_kv + g)[:, None] * D + offs_d[None, :], mask=j_ok[:, None], other=0.0)
-            k = (k * inv_n[:, None]).to(qv.dtype)
-            s = tl.dot(qv, tl.trans(k)) * qk_scale
+            s = _page_logits(q_pos, q_neg, pt_row, offs_j, j_ok, key_sum, count, key_max, key_min, g, H_kv, offs_d, D,
+                             BOUNDS) * qk_scale
             s = tl.where(j_ok[None, :], s, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, axis=1))
             l = l * tl.exp2(m - m_new) + tl.sum(tl.exp2(s - m_new[:, None]), axis=1)
@@ -96,14 +105,32 @@ def _search_kernel(q, qb_req, qb_cand, qb_start, qb_len, page_table, key_sum, co
         tl.store(stats_row, m)
         tl.store(stats_row + GP * BQS, l)
     else:
-        _scores_out(q, out, qv, m, l, r_ok, pt_row, key_sum, count, g, qi, sp, H_kv, NQB, NKV, n_iter, qk_scale,
-                    alpha, offs_d, G, GP, D, BN, MODE, BQS, SPLIT)
+        _scores_out(out, q_pos, q_neg, m, l, r_ok, pt_row, key_sum, count, key_max, key_min, g, qi, sp, H_kv, NQB, NKV,
+                    n_iter, qk_scale, alpha, offs_d, G, GP, D, BN, MODE, BQS, SPLIT, BOUNDS)
 
 
 @triton.jit
-def _scores_out(q, out, qv, m, l, r_ok, pt_row, key_sum, count, g, qi, sp, H_kv, NQB, NKV, n_iter, qk_scale, alpha,
-                offs_d, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BN: tl.constexpr, MODE: tl.constexpr,
-                BQS: tl.constexpr, SPLIT: tl.constexpr):
+def _page_logits(q_pos, q_neg, pt_row, offs_j, j_ok, key_sum, count, key_max, key_min, g, H_kv, offs_d, D: tl.constexpr,
+                 BOUNDS: tl.constexpr):
+    # unscaled logits [rows, BN] of the query tile against pages offs_j of the row: q . mean key, or with
+    # BOUNDS q+ . kmax + q- . kmin (the summaries in the pool's dtype, exact)
+    pid = tl.load(pt_row + offs_j, mask=j_ok, other=0).to(tl.int64)
+    cell = (pid * H_kv + g)[:, None] * D + offs_d[None, :]
+    if BOUNDS:
+        kmax = tl.load(key_max + cell, mask=j_ok[:, None], other=0.0).to(q_pos.dtype)
+        kmin = tl.load(key_min + cell, mask=j_ok[:, None], other=0.0).to(q_pos.dtype)
+        s = tl.dot(q_pos, tl.trans(kmax)) + tl.dot(q_neg, tl.trans(kmin))
+    else:
+        inv_n = 1.0 / tl.maximum(tl.load(count + pid, mask=j_ok, other=1), 1).to(tl.float32)
+        k = tl.load(key_sum + cell, mask=j_ok[:, None], other=0.0)
+        s = tl.dot(q_pos, tl.trans((k * inv_n[:, None]).to(q_pos.dtype)))
+    return s
+
+
+@triton.jit
+def _scores_out(out, q_pos, q_neg, m, l, r_ok, pt_row, key_sum, count, key_max, key_min, g, qi, sp, H_kv, NQB, NKV,
+                n_iter, qk_scale, alpha, offs_d, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BN: tl.constexpr,
+                MODE: tl.constexpr, BQS: tl.constexpr, SPLIT: tl.constexpr, BOUNDS: tl.constexpr):
     # pass 2: normalised probabilities, max over each head's queries of the q-block
     valid_row = r_ok & (l > 0)
     inv_l = tl.where(valid_row, 1.0 / l, 0.0)
@@ -131,11 +158,8 @@ def _scores_out(q, out, qv, m, l, r_ok, pt_row, key_sum, count, g, qi, sp, H_kv,
         j_ok = offs_j < n_iter
         score = tl.zeros([GP, BN], tl.float32)
         if j0 < n_iter:
-            pid = tl.load(pt_row + offs_j, mask=j_ok, other=0).to(tl.int64)
-            inv_n = 1.0 / tl.maximum(tl.load(count + pid, mask=j_ok, other=1), 1).to(tl.float32)
-            k = tl.load(key_sum + (pid * H_kv + g)[:, None] * D + offs_d[None, :], mask=j_ok[:, None], other=0.0)
-            k = (k * inv_n[:, None]).to(qv.dtype)
-            s = tl.dot(qv, tl.trans(k)) * qk_scale
+            s = _page_logits(q_pos, q_neg, pt_row, offs_j, j_ok, key_sum, count, key_max, key_min, g, H_kv, offs_d, D,
+                             BOUNDS) * qk_scale
             p = tl.exp2(s - m[:, None]) * inv_l[:, None]
             p = tl.where(valid_row[:, None] & j_ok[None, :], p, 0.0)
             score = tl.max(tl.reshape(p, [GP, BQS, BN]), axis=1)
@@ -195,7 +219,7 @@ def supports(head_dim: int, page_size: int, query_stride: int = 1) -> bool:
 
 # the scores' kernels write every cell of their output (zeros past a q-block's candidates): it is not cleared
 def _launch(mode, q, qb, page_table, key_sum, count, sm_scale, num_kv_heads, n_pages, query_stride, config,
-            alpha=0.0, out=None, page_size=None):
+            alpha=0.0, out=None, page_size=None, key_bounds=None):
     T, H_q, D = q.shape
     NQB = qb["cand"].numel()
     P = page_size
@@ -205,6 +229,9 @@ def _launch(mode, q, qb, page_table, key_sum, count, sm_scale, num_kv_heads, n_p
         raise ValueError(f"flashprefill kernel: {H_q} query heads are not a multiple of {num_kv_heads} kv heads")
     if NQB == 0 or n_pages == 0:
         return
+    if key_bounds is not None and any(t.stride(-1) != 1 for t in key_bounds):
+        raise ValueError("flashprefill kernel: key_max / key_min must be contiguous in head_dim")
+    key_max, key_min = key_bounds if key_bounds is not None else (key_sum, key_sum)
     if q.stride(2) != 1:
         q = q.contiguous()
     G = H_q // num_kv_heads
@@ -221,20 +248,22 @@ def _launch(mode, q, qb, page_table, key_sum, count, sm_scale, num_kv_heads, n_p
         if split > 1 else out
     for phase in ((1, 2) if split > 1 else (0,)):
         _search_kernel[(num_kv_heads, NQB, split)](
-            q, qb["req"], qb["cand"], qb["start"], qb["length"], page_table, key_sum, count, out, stats,
+            q, qb["req"], qb["cand"], qb["start"], qb["length"], page_table, key_sum, count, key_max, key_min, out,
+            stats,
             q.stride(0), q.stride(1), page_table.stride(0), H_q, num_kv_heads, NQB, n_pages, float(sm_scale),
             float(alpha), G=G, GP=GP, D=D, BN=config["BN"], MODE=mode, QS=query_stride, BQS=BQS, SPLIT=split,
-            PHASE=phase, num_warps=config["num_warps"], num_stages=config["num_stages"])
+            PHASE=phase, BOUNDS=key_bounds is not None, num_warps=config["num_warps"], num_stages=config["num_stages"])
 
 
 def block_scores(q: torch.Tensor, qb: dict, page_table: torch.Tensor, key_sum: torch.Tensor, count: torch.Tensor,
                  sm_scale: float, num_kv_heads: int, n_pages: int, group_max: bool = False,
-                 query_stride: int = 1, config: dict | None = None, page_size: int | None = None) -> torch.Tensor:
+                 query_stride: int = 1, config: dict | None = None, page_size: int | None = None,
+                 key_bounds: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Same contract as `flashprefill_naive.block_scores` (`page_size`: the q-block size, required)."""
     H = num_kv_heads if group_max else q.shape[1]
     out = torch.empty(H, qb["cand"].numel(), n_pages, dtype=torch.float32, device=q.device)
     _launch(GROUP_SCORES if group_max else SCORES, q, qb, page_table, key_sum, count, sm_scale, num_kv_heads,
-            n_pages, query_stride, config, out=out, page_size=page_size)
+            n_pages, query_stride, config, out=out, page_size=page_size, key_bounds=key_bounds)
     return out
 
 

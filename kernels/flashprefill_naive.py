@@ -7,6 +7,10 @@ window, `qb["cand"]`):
     p[t, j]   = softmax_j(s[t, :])
     score[j]  = max over the q-block's queries t (every `query_stride`-th) of p[t, j]
 
+With `key_bounds` = (kmax, kmin), each page's per-channel key max and min, the logit is Quest's bound
+s[t, j] = (q_t+ . kmax_j + q_t- . kmin_j) * sm_scale (q+ / q-: the positive / negative parts of q_t), which is
+>= q_t . k for every key k of the page.
+
 `block_scores` returns the scores; `threshold_mask` keeps, per (kv head g, q-block q), the pages
 some query head of the group scores >= alpha x that head's best score; `ratio_scores` gives, per
 (kv head, q-block, page), the largest score / best over the group's heads: the page is kept at
@@ -18,7 +22,7 @@ from __future__ import annotations
 import torch
 
 
-def _head_scores(q, qb, page_table, key_sum, count, sm_scale, num_kv_heads, n_pages, query_stride):
+def _head_scores(q, qb, page_table, key_sum, count, sm_scale, num_kv_heads, n_pages, query_stride, key_bounds=None):
     """float32 [H_q, NQB, NKV] per-head scores (0 outside candidates) and bool [NQB] 'has candidates'."""
     T, H_q, D = q.shape
     G = H_q // num_kv_heads
@@ -29,17 +33,28 @@ def _head_scores(q, qb, page_table, key_sum, count, sm_scale, num_kv_heads, n_pa
         if a == 0 or n == 0:
             continue
         pages = page_table[b, :a].long()
-        kbar = key_sum[pages].to(torch.float32) / count[pages].clamp(min=1).to(torch.float32)[:, None, None]
-        kq = kbar.permute(1, 0, 2).repeat_interleave(G, 0)                     # [H_q, a, D]
         qq = q[st:st + n:query_stride].to(torch.float32).transpose(0, 1)      # [H_q, n', D]
-        p = torch.softmax(torch.matmul(qq, kq.transpose(1, 2)) * sm_scale, dim=-1)
+        if key_bounds is None:
+            kbar = key_sum[pages].to(torch.float32) / count[pages].clamp(min=1).to(torch.float32)[:, None, None]
+            logits = torch.matmul(qq, _per_query_head(kbar, G).transpose(1, 2))
+        else:
+            kmax, kmin = (_per_query_head(t[pages].to(torch.float32), G) for t in key_bounds)
+            logits = (torch.matmul(qq.clamp(min=0), kmax.transpose(1, 2))
+                      + torch.matmul(qq.clamp(max=0), kmin.transpose(1, 2)))
+        p = torch.softmax(logits * sm_scale, dim=-1)
         out[:, i, :a] = p.amax(dim=1)
     return out
 
 
+def _per_query_head(x, G):
+    """[a, H_kv, D] page vectors -> [H_q, a, D], each kv head's repeated for its G query heads."""
+    return x.permute(1, 0, 2).repeat_interleave(G, 0)
+
+
 def block_scores(q: torch.Tensor, qb: dict, page_table: torch.Tensor, key_sum: torch.Tensor, count: torch.Tensor,
                  sm_scale: float, num_kv_heads: int, n_pages: int, group_max: bool = False,
-                 query_stride: int = 1, config: dict | None = None) -> torch.Tensor:
+                 query_stride: int = 1, config: dict | None = None,
+                 key_bounds: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Per-head scores of each q-block's candidate pages.
 
     Args:
@@ -50,10 +65,11 @@ def block_scores(q: torch.Tensor, qb: dict, page_table: torch.Tensor, key_sum: t
         n_pages:    NKV, the table width
         group_max:  reduce over each kv head's G query heads (one row per kv head)
         config:     launch parameters of the kernel (ignored here)
+        key_bounds: (key_max, key_min) [num_pages, H_kv, D] each: score Quest's bound, not the mean key
     Returns:
         float32 [H_q, NQB, NKV] ([H_kv, NQB, NKV] with group_max); 0 outside candidates.
     """
-    s = _head_scores(q, qb, page_table, key_sum, count, sm_scale, num_kv_heads, n_pages, query_stride)
+    s = _head_scores(q, qb, page_table, key_sum, count, sm_scale, num_kv_heads, n_pages, query_stride, key_bounds)
     if group_max:
         H_q = s.shape[0]
         s = s.reshape(num_kv_heads, H_q // num_kv_heads, *s.shape[1:]).amax(dim=1)

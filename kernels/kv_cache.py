@@ -1,13 +1,16 @@
 """Triton KV store with page summaries; reference: `kv_cache_naive.store_kv`.
 
 One launch per layer writes the new keys and values into the head-major pool
-and refreshes the mean-key summaries of the pages the write ends in. Program
-(n, h) stores token n's head h; if token n is the last one of its page in this
-write, it also sums that page's keys at offsets 0..off in offset order, taking
-the offsets written by this same launch from its inputs (other programs may
-not have stored them yet) and the earlier ones from the pool. A fixed order
-makes a page's summary independent of how its tokens were split across writes
-(chunks, decode steps), which the selection's reproducibility relies on.
+and refreshes the summaries of the pages the write ends in: the key sum and
+count (mean keys) and, when asked (BOUNDS), the channel-wise key max and min
+(Quest's page bounds). Program (n, h) stores token n's head h; if token n is
+the last one of its page in this write, it also reads that page's keys at
+offsets 0..off in offset order, taking the offsets written by this same launch
+from its inputs (other programs may not have stored them yet) and the earlier
+ones from the pool, and reduces them. A fixed order makes a page's summary
+independent of how its tokens were split across writes (chunks, decode steps),
+which the selection's reproducibility relies on. The bounds are taken over the
+keys as the pool holds them (cast to its dtype), so they are exact in it.
 """
 
 from __future__ import annotations
@@ -16,10 +19,13 @@ import torch
 import triton
 import triton.language as tl
 
+from sglang_compact.kernels.kv_cache_naive import check_summaries
+
 
 @triton.jit
-def _store_kv_kernel(k_pool, v_pool, loc, k, v, key_sum, count, N, H, stride_kt, stride_kh, stride_vt, stride_vh,
-                     P: tl.constexpr, D: tl.constexpr, SUMMARIZE: tl.constexpr):
+def _store_kv_kernel(k_pool, v_pool, loc, k, v, key_sum, count, key_max, key_min, N, H,
+                     stride_kt, stride_kh, stride_vt, stride_vh,
+                     P: tl.constexpr, D: tl.constexpr, SUMMARIZE: tl.constexpr, BOUNDS: tl.constexpr):
     n = tl.program_id(0)
     h = tl.program_id(1)
     slot = tl.load(loc + n).to(tl.int64)
@@ -40,19 +46,29 @@ def _store_kv_kernel(k_pool, v_pool, loc, k, v, key_sum, count, N, H, stride_kt,
             m_ok = upto & (m >= 0)
             m_slot = tl.load(loc + tl.maximum(m, 0), mask=m_ok, other=-1).to(tl.int64)
             from_input = m_ok & (m_slot == page * P + offs_p)
+            # inputs cast to the pool's dtype first: the summaries are of the keys as the pool holds them
             x_in = tl.load(k + tl.maximum(m, 0).to(tl.int64)[:, None] * stride_kt + h * stride_kh + offs_d[None, :],
                            mask=from_input[:, None], other=0.0).to(k_pool.dtype.element_ty).to(tl.float32)
             x_pool = tl.load(k_pool + ((page * H + h) * P + offs_p)[:, None] * D + offs_d[None, :],
                              mask=(upto & ~from_input)[:, None], other=0.0).to(tl.float32)
             s = tl.sum(x_in + x_pool, axis=0)
             tl.store(key_sum + (page * H + h) * D + offs_d, s)
+            if BOUNDS:
+                # float32 holds every pool value exactly, so the max / min are the pool dtype's
+                x = tl.where(from_input[:, None], x_in, x_pool)
+                hi = tl.max(tl.where(upto[:, None], x, float("-inf")), axis=0)
+                lo = tl.min(tl.where(upto[:, None], x, float("inf")), axis=0)
+                tl.store(key_max + (page * H + h) * D + offs_d, hi.to(key_max.dtype.element_ty))
+                tl.store(key_min + (page * H + h) * D + offs_d, lo.to(key_min.dtype.element_ty))
             if h == 0:
                 tl.store(count + page, (off + 1).to(tl.int32))
 
 
 def store_kv(k_pool: torch.Tensor, v_pool: torch.Tensor, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             key_sum: torch.Tensor | None = None, count: torch.Tensor | None = None) -> None:
+             key_sum: torch.Tensor | None = None, count: torch.Tensor | None = None,
+             key_max: torch.Tensor | None = None, key_min: torch.Tensor | None = None) -> None:
     """Same contract as `kv_cache_naive.store_kv` (head_dim and page size powers of two)."""
+    check_summaries(key_sum, count, key_max, key_min)
     N = loc.numel()
     if N == 0:
         return
@@ -64,6 +80,8 @@ def store_kv(k_pool: torch.Tensor, v_pool: torch.Tensor, loc: torch.Tensor, k: t
     if v.stride(2) != 1:
         v = v.contiguous()
     summarize = key_sum is not None
+    bounds = key_max is not None
     _store_kv_kernel[(N, H)](k_pool, v_pool, loc, k, v, key_sum if summarize else k_pool,
-                             count if summarize else loc, N, H, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-                             P=P, D=D, SUMMARIZE=summarize)
+                             count if summarize else loc, key_max if bounds else k_pool,
+                             key_min if bounds else k_pool, N, H, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                             P=P, D=D, SUMMARIZE=summarize, BOUNDS=bounds)

@@ -5,8 +5,19 @@ from __future__ import annotations
 import torch
 
 
+def check_summaries(key_sum, count, key_max, key_min) -> None:
+    """The summary buffers a store may keep: none, the sum and count, or those and both bounds."""
+    if (key_sum is None) != (count is None):
+        raise ValueError("key_sum and count go together")
+    if (key_max is None) != (key_min is None):
+        raise ValueError("key_max and key_min go together")
+    if key_max is not None and key_sum is None:
+        raise ValueError("key_max/key_min are kept only together with key_sum and count")
+
+
 def store_kv(k_pool: torch.Tensor, v_pool: torch.Tensor, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             key_sum: torch.Tensor | None = None, count: torch.Tensor | None = None) -> None:
+             key_sum: torch.Tensor | None = None, count: torch.Tensor | None = None,
+             key_max: torch.Tensor | None = None, key_min: torch.Tensor | None = None) -> None:
     """Write tokens into a head-major pool and refresh the summaries of the pages they touch.
 
     Args:
@@ -17,7 +28,11 @@ def store_kv(k_pool: torch.Tensor, v_pool: torch.Tensor, loc: torch.Tensor, k: t
             every page a write ends in gets the sum of its keys at offsets 0..off and count off + 1,
             recomputed in a fixed order (so the summary of a page does not depend on how its tokens
             were split across writes).
+        key_max, key_min: [num_pages, H_kv, D] in the pool's dtype, or None (no bounds; only with key_sum):
+            every page a write ends in gets the channel-wise max / min of its keys at offsets 0..off as
+            stored in the pool (after the cast to its dtype, so exact in it), recomputed like the sum.
     """
+    check_summaries(key_sum, count, key_max, key_min)
     P = k_pool.shape[2]
     loc = loc.long()
     page, off = torch.div(loc, P, rounding_mode="floor"), loc % P
@@ -28,7 +43,11 @@ def store_kv(k_pool: torch.Tensor, v_pool: torch.Tensor, loc: torch.Tensor, k: t
     last = torch.ones_like(page, dtype=torch.bool)
     last[:-1] = page[1:] != page[:-1]
     p, o = page[last], off[last]
-    keys = k_pool[p].to(torch.float32)                                        # [n, H, P, D]
-    upto = torch.arange(P, device=loc.device)[None, :] <= o[:, None]          # [n, P]
-    key_sum[p] = (keys * upto[:, None, :, None]).sum(dim=2)
+    upto = (torch.arange(P, device=loc.device)[None, :] <= o[:, None])[:, None, :, None]   # [n, 1, P, 1]
+    key_sum[p] = (k_pool[p].to(torch.float32) * upto).sum(dim=2)
     count[p] = (o + 1).to(count.dtype)
+    if key_max is not None:
+        keys = k_pool[p]                                                                  # [n, H, P, D]
+        inf = torch.tensor(float("inf"), dtype=keys.dtype, device=keys.device)
+        key_max[p] = torch.where(upto, keys, -inf).amax(dim=2).to(key_max.dtype)
+        key_min[p] = torch.where(upto, keys, inf).amin(dim=2).to(key_min.dtype)

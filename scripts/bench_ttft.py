@@ -30,7 +30,8 @@ that went sparse and the fraction the gate turned dense from their observed dens
 Methods: `flashinfer`, `fa3` (stock SGLang backends); `flashinfer-again` (a second stock `flashinfer` server: its
 ratio to the first is the spread between two identical servers, the band a do-no-harm ratio is read against);
 `compact` (its defaults), `compact-dense`
-(`--compact-selector dense`), `compact-budget-D` (`budget` at density D), any of them with
+(`--compact-selector dense`), `compact-budget-D` (`budget` at density D; `compact-mass_budget-D` and
+`compact-quest_budget-D` likewise), any of them with
 `-fa2` (`--compact-prefill-kernel fa2`) or `-at0` (`--compact-min-context 0`: sparse from the start).
 
 Rows `{"bench": "ttft", "model", "context", "chunk", "batch", "tp", "method", "density", "ms",
@@ -85,6 +86,11 @@ def method_args(method: str) -> tuple[str, list[str]]:
         return COMPACT, flags + ["--compact-selector", "dense"]
     if name.startswith("compact-budget-"):
         return COMPACT, flags + ["--compact-selector", "budget", "--compact-density", name.rsplit("-", 1)[1]]
+    for selector in ("mass_budget", "quest_budget"):
+        if name.startswith(f"compact-{selector}-"):
+            density = float(name.rsplit("-", 1)[1])
+            return COMPACT, flags + ["--compact-selector", selector,
+                                     "--compact-selector-params", json.dumps({"density": density})]
     raise ValueError(f"unknown method {method!r}")
 
 

@@ -55,6 +55,10 @@ class CompactAttention:
     def uses_summaries(self) -> bool:
         return self.selector.spec.uses_summaries
 
+    @property
+    def uses_key_bounds(self) -> bool:
+        return self.selector.spec.uses_key_bounds
+
     def row_pages(self, batch: ChunkBatch) -> list[int] | None:
         """Pages each row reads (rows r = g * NW + w), known on the host before any search, after the forced
         pages and the density cap; None when they depend on the scores. What lets a FlashInfer fa3 plan serve
@@ -82,7 +86,8 @@ class CompactAttention:
         if cfg.block_size != batch.page_size:
             raise ValueError(f"CompactConfig.block_size={cfg.block_size} differs from the KV page size {batch.page_size}")
         if summaries is None and self.uses_summaries:
-            summaries = LayerSummaries.from_pool(batch.k_pool, batch.page_table, batch.context_lens_cpu())
+            summaries = LayerSummaries.from_pool(batch.k_pool, batch.page_table, batch.context_lens_cpu(),
+                                                 key_bounds=self.uses_key_bounds)
         sel = self.selector.select(batch, layer, summaries) if fill is None else \
             self.selector.fill(batch, layer, summaries, fill)
         # rows of a fixed length (filled rows have the density cap in their counts): one kernel to the indices

@@ -1,4 +1,5 @@
-"""Page summaries: the sum of keys (and their count) per (page, kv head), per layer.
+"""Page summaries: the sum of keys (and their count) per (page, kv head), per layer, and optionally
+the keys' channel-wise max and min (Quest's page bounds).
 
 Selectors that score mean keys read these instead of the context itself, so a
 chunk's search costs O(context pages), not O(context tokens). They are kept by
@@ -11,6 +12,9 @@ the summary is keyed by page id.
 Buffers, for all layers:
     key_sum  float32 [layers, num_pages, H_kv, D]
     count    int32   [layers, num_pages]      tokens summed in the page
+    key_max  pool dtype [layers, num_pages, H_kv, D]   only with key_bounds: channel max of the page's keys
+    key_min  pool dtype [layers, num_pages, H_kv, D]   only with key_bounds: channel min of the page's keys
+The bounds are of the keys as the pool stores them, so in the pool's dtype they are exact.
 """
 
 from __future__ import annotations
@@ -25,10 +29,13 @@ from sglang_compact.kernels import kv_cache_naive, use_triton
 
 @dataclass
 class LayerSummaries:
-    """One layer's summaries: key_sum float32 [num_pages, H_kv, D], count int32 [num_pages]."""
+    """One layer's summaries: key_sum float32 [num_pages, H_kv, D], count int32 [num_pages], and optionally
+    key_max / key_min [num_pages, H_kv, D] in the pool's dtype (None when the bounds are not kept)."""
 
     key_sum: torch.Tensor
     count: torch.Tensor
+    key_max: torch.Tensor | None = None
+    key_min: torch.Tensor | None = None
 
     def mean_keys(self, pages: torch.Tensor) -> torch.Tensor:
         """float32 [..., H_kv, D] mean keys of the given page ids (zeros for pages never written)."""
@@ -36,12 +43,16 @@ class LayerSummaries:
         return self.key_sum[p] / self.count[p].clamp(min=1).to(torch.float32)[..., None, None]
 
     @classmethod
-    def from_pool(cls, k_pool: torch.Tensor, page_table: torch.Tensor, context_lens) -> "LayerSummaries":
+    def from_pool(cls, k_pool: torch.Tensor, page_table: torch.Tensor, context_lens,
+                  key_bounds: bool = False) -> "LayerSummaries":
         """Summaries computed from a pool's keys (for batches built outside the server): each request's
-        pages summed over the context tokens in them."""
+        pages summed over the context tokens in them (and, with key_bounds, their max / min in the pool's
+        dtype)."""
         num_pages, H, P, D = k_pool.shape
         key_sum = torch.zeros(num_pages, H, D, dtype=torch.float32, device=k_pool.device)
         count = torch.zeros(num_pages, dtype=torch.int32, device=k_pool.device)
+        key_max = torch.zeros(num_pages, H, D, dtype=k_pool.dtype, device=k_pool.device) if key_bounds else None
+        key_min = torch.zeros_like(key_max) if key_bounds else None
         for b, E in enumerate(context_lens):
             n = -(-int(E) // P)
             if n == 0:
@@ -51,29 +62,46 @@ class LayerSummaries:
             valid = torch.arange(P, device=k_pool.device)[None, :] < filled[:, None]          # [n, P]
             key_sum[pages] = (k_pool[pages].to(torch.float32) * valid[:, None, :, None]).sum(dim=2)
             count[pages] = filled.to(torch.int32)
-        return cls(key_sum, count)
+            if key_bounds:
+                keys, inf = k_pool[pages], torch.tensor(float("inf"), dtype=k_pool.dtype, device=k_pool.device)
+                key_max[pages] = torch.where(valid[:, None, :, None], keys, -inf).amax(dim=2)
+                key_min[pages] = torch.where(valid[:, None, :, None], keys, inf).amin(dim=2)
+        return cls(key_sum, count, key_max, key_min)
 
 
 class PageSummaries:
-    """Summaries for every page of a paged KV pool, one table per layer."""
+    """Summaries for every page of a paged KV pool, one table per layer; the key bounds (key_max, key_min,
+    in bounds_dtype: the pool's) only with key_bounds."""
 
     def __init__(self, num_layers: int, num_pages: int, num_kv_heads: int, head_dim: int,
-                 device: torch.device | str):
-        self.key_sum = torch.zeros(num_layers, num_pages, num_kv_heads, head_dim, dtype=torch.float32, device=device)
+                 device: torch.device | str, key_bounds: bool = False, bounds_dtype: torch.dtype = torch.float32):
+        shape = (num_layers, num_pages, num_kv_heads, head_dim)
+        self.key_sum = torch.zeros(shape, dtype=torch.float32, device=device)
         self.count = torch.zeros(num_layers, num_pages, dtype=torch.int32, device=device)
+        self.key_max = torch.zeros(shape, dtype=bounds_dtype, device=device) if key_bounds else None
+        self.key_min = torch.zeros(shape, dtype=bounds_dtype, device=device) if key_bounds else None
 
     @staticmethod
-    def bytes_needed(num_layers: int, num_pages: int, num_kv_heads: int, head_dim: int) -> int:
-        return num_layers * num_pages * (num_kv_heads * head_dim * 4 + 4)
+    def bytes_needed(num_layers: int, num_pages: int, num_kv_heads: int, head_dim: int,
+                     key_bounds: bool = False, bounds_itemsize: int = 4) -> int:
+        per_page = num_kv_heads * head_dim * 4 + 4
+        if key_bounds:
+            per_page += 2 * num_kv_heads * head_dim * bounds_itemsize
+        return num_layers * num_pages * per_page
 
     def layer(self, layer: int) -> LayerSummaries:
-        return LayerSummaries(self.key_sum[layer], self.count[layer])
+        if self.key_max is None:
+            return LayerSummaries(self.key_sum[layer], self.count[layer])
+        return LayerSummaries(self.key_sum[layer], self.count[layer], self.key_max[layer], self.key_min[layer])
 
 
 def store_kv(k_pool: torch.Tensor, v_pool: torch.Tensor, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              summaries: LayerSummaries | None = None) -> None:
     """Write tokens into a head-major pool `[num_pages, H_kv, P, D]` at slots `loc`, refreshing the
-    summaries of the pages the write ends in (one launch on CUDA)."""
+    summaries of the pages the write ends in (one launch on CUDA); key bounds too where `summaries`
+    has them."""
     impl = kv_cache_kernel.store_kv if use_triton(k_pool) else kv_cache_naive.store_kv
-    s = (summaries.key_sum, summaries.count) if summaries is not None else (None, None)
-    impl(k_pool, v_pool, loc, k, v, *s)
+    if summaries is None:
+        impl(k_pool, v_pool, loc, k, v)
+    else:
+        impl(k_pool, v_pool, loc, k, v, summaries.key_sum, summaries.count, summaries.key_max, summaries.key_min)

@@ -19,6 +19,10 @@ def test_method_names():
     assert module == COMPACT and flags[-2:] == ["--compact-density", "0.3"]
     assert "--compact-prefill-kernel" in flags and "--compact-min-context" in flags and "--enable-metrics" in flags
     assert method_args("compact-dense")[1][-2:] == ["--compact-selector", "dense"]
+    assert method_args("compact-quest_budget-0.33")[1][-4:] == ["--compact-selector", "quest_budget",
+                                                                "--compact-selector-params", '{"density": 0.33}']
+    with pytest.raises(ValueError):
+        method_args("compact-quest_budget-x")
     with pytest.raises(ValueError):
         method_args("nope")
     assert method_args("flashinfer-again") == method_args("flashinfer")   # the A/A control: the same server again

@@ -284,7 +284,7 @@ def test_fa2_planned_once_serves_every_layer(hq, hkv, d, selector):
 @pytest.mark.parametrize("hq,hkv,d", [(16, 4, 128), (9, 3, 64)])
 @pytest.mark.parametrize("selector,density,cap", [("budget", 0.3, None), ("budget", 0.1, None), ("budget", 0.5, 0.25),
                                                   ("budget", 1.0, None), ("mass_budget", 0.33, None),
-                                                  ("mass_budget", 0.5, 0.25)])
+                                                  ("mass_budget", 0.5, 0.25), ("quest_budget", 0.33, None)])
 def test_fa3_planned_once_serves_every_layer(hq, hkv, d, selector, density, cap):
     """fa3 planned once from `row_pages`; layers with different data then equal the reference and, bit for
     bit, fa3 planned per layer from host copies of the lengths."""
@@ -379,7 +379,7 @@ def test_torch_executor_on_gpu_matches_reference():
     torch.testing.assert_close(ex.run(b, sel.indices), reference_attention(b, sel.table), rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("selector", ["flashprefill", "budget", "dense", "xattention", "mass_budget"])
+@pytest.mark.parametrize("selector", ["flashprefill", "budget", "dense", "xattention", "mass_budget", "quest_budget"])
 def test_selecting_pages_never_syncs(selector):
     b = gpu_batch([65536 + 11, 30000], [1024, 1024], 32, 8, 128, seed=11)
     ex = executor(b)
@@ -443,6 +443,11 @@ def test_triton_kernels_equal_references_on_gpu(seed):
                                    flashprefill_naive.block_scores(*args, group_max=gm), rtol=2e-2, atol=2e-3)
     torch.testing.assert_close(flashprefill.ratio_scores(*args, page_size=P),
                                flashprefill_naive.ratio_scores(*args), rtol=2e-2, atol=2e-3)
+    bounds = (s.key_max, s.key_min)   # Quest's bound (bf16 like the pool), `quest_budget`'s search
+    for gm in (False, True):
+        torch.testing.assert_close(flashprefill.block_scores(*args, group_max=gm, page_size=P, key_bounds=bounds),
+                                   flashprefill_naive.block_scores(*args, group_max=gm, key_bounds=bounds),
+                                   rtol=2e-2, atol=2e-3)
     tk = flashprefill.threshold_mask(*args, 0.3, page_size=P)
     tn = flashprefill_naive.threshold_mask(*args, 0.3)
     mism = (tk != tn).float().mean().item()
@@ -463,12 +468,14 @@ def test_triton_kernels_equal_references_on_gpu(seed):
     outs = []
     for impl in (kv_cache, kv_cache_naive):
         st = [torch.zeros(pages, hkv, P, d, device=DEV, dtype=torch.bfloat16) for _ in range(2)] + \
-             [torch.zeros(pages, hkv, d, device=DEV), torch.zeros(pages, dtype=torch.int32, device=DEV)]
+             [torch.zeros(pages, hkv, d, device=DEV), torch.zeros(pages, dtype=torch.int32, device=DEV)] + \
+             [torch.zeros(pages, hkv, d, device=DEV, dtype=torch.bfloat16) for _ in range(2)]   # key max / min
         for a, z in ((0, 700), (700, 701), (701, 1000)):
             impl.store_kv(*st[:2], loc[a:z], k[a:z], v[a:z], *st[2:])
         outs.append(st)
     for x, y in zip(*outs):
         torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-3)
+    assert torch.equal(outs[0][4], outs[1][4]) and torch.equal(outs[0][5], outs[1][5])   # max / min are exact
 
 
 @pytest.mark.parametrize("seed", range(6))

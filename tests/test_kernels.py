@@ -106,6 +106,32 @@ def test_search_split_over_pages_equals_one_program(seed, split):
                        flashprefill.threshold_mask(*args, 0.3, page_size=P, config=one))
 
 
+@pytest.mark.parametrize("seed", [0, 3, 4, 5])   # geometries with candidate pages (seed 1 has none)
+@pytest.mark.parametrize("Hq,Hkv,D", [(6, 2, 32), (14, 2, 64)])
+@pytest.mark.parametrize("split", [1, 3])
+def test_bound_scores_equal_reference(seed, Hq, Hkv, D, split):
+    """Quest's bound (`key_bounds`: q+ . kmax + q- . kmin per page) in place of the mean key: the kernel's
+    scores equal the torch twin's, one program or SPLIT programs per q-block, per head and group max; and they
+    are not the mean-key scores (the bounds are read)."""
+    P = 16
+    case = random_geometry(seed, P=P, max_pages=40)
+    q, key_sum, count = queries_and_summaries(case, Hq, Hkv, D)
+    g = case["generator"]
+    centre = torch.randn(case["num_pages"], Hkv, D, generator=g)
+    radius = torch.rand(case["num_pages"], Hkv, D, generator=g) * 2
+    bounds = (centre + radius, centre - radius)
+    qb = case["qb"].on("cpu")
+    NKV = case["qb"].max_pages
+    args = (q, qb, case["page_table"], key_sum, count, 0.125, Hkv, NKV)
+    config = dict(BN=16, num_warps=4, num_stages=2, SPLIT=split)
+    for group_max in (False, True):
+        got = flashprefill.block_scores(*args, group_max=group_max, page_size=P, config=config, key_bounds=bounds)
+        want = flashprefill_naive.block_scores(*args, group_max=group_max, key_bounds=bounds)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+        assert (want > 0).sum() > 20
+        assert not torch.allclose(want, flashprefill_naive.block_scores(*args, group_max=group_max), atol=1e-3)
+
+
 def test_search_splits_only_an_idle_gpu_over_long_rows():
     cfg = flashprefill.launch_config
     assert cfg(256, 2048, True, programs=128, sms=132)["SPLIT"] == 5        # one chunk after a 128K prefix
@@ -209,6 +235,108 @@ def test_store_kv_kernel_equals_reference(seed):
         impl.store_kv(kp, vp, loc[:0], k[:0], v[:0], ks, cnt)  # an empty write is a no-op
     for x, y in zip(*state):
         torch.testing.assert_close(x, y, rtol=1e-6, atol=1e-5)
+
+
+def store_with_bounds(impl, loc, k, v, split, shape, dtype, seed):
+    """A stream written with `impl` in the given split into a pool of `dtype` that starts full of stale
+    keys (large, either sign: a bound that reads an offset past a page's last token shows them)."""
+    pages, H, P, D = shape
+    g = torch.Generator().manual_seed(1000 + seed)
+    kp = (torch.randn(shape, generator=g) * 100).to(dtype)
+    vp = torch.zeros(shape, dtype=dtype)
+    ks, cnt = torch.zeros(pages, H, D), torch.zeros(pages, dtype=torch.int32)
+    kmax = torch.full((pages, H, D), 7.0, dtype=dtype)    # pages never written keep it
+    kmin = torch.full((pages, H, D), -7.0, dtype=dtype)
+    for a, b in zip(split, split[1:]):
+        impl.store_kv(kp, vp, loc[a:b], k[a:b], v[a:b], ks, cnt, kmax, kmin)
+    return kp, vp, ks, cnt, kmax, kmin
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_store_kv_key_bounds_equal_reference_and_do_not_depend_on_how_writes_are_split(seed, dtype):
+    loc, k, v, cuts, shape = write_stream(seed)
+    # float32 inputs the pool's dtype holds exactly: the interpreter casts float32 to bfloat16 by truncation,
+    # torch (and Triton on the GPU) by rounding to nearest, so only exact casts make the pools comparable
+    k, v = k.to(dtype).float(), v.to(dtype).float()
+    pages, H, P, D = shape
+    runs = {(impl.__name__, name): store_with_bounds(impl, loc, k, v, split, shape, dtype, seed)
+            for impl in (kv_cache, kv_cache_naive) for name, split in (("split", cuts), ("one", [0, len(loc)]))}
+    kp, vp, ks, cnt, kmax, kmin = runs[(kv_cache.__name__, "split")]
+    assert kmax.dtype == kmin.dtype == dtype
+    for key, (kp2, vp2, ks2, cnt2, kmax2, kmin2) in runs.items():
+        # the bounds are exact: bit for bit across kernels and splits
+        assert torch.equal(kmax, kmax2) and torch.equal(kmin, kmin2), key
+        assert torch.equal(kp, kp2) and torch.equal(vp, vp2) and torch.equal(cnt, cnt2), key
+        torch.testing.assert_close(ks, ks2, rtol=1e-6, atol=1e-5)
+    # the bounds are the max / min of the page's keys as the pool holds them, offsets 0..off only
+    page = loc // P
+    written = page.unique()
+    for p in written:
+        n = int((page == p).sum())
+        assert torch.equal(kmax[p], kp[p, :, :n].amax(1)) and torch.equal(kmin[p], kp[p, :, :n].amin(1))
+        if n < P:  # the stale keys past the page's end would have moved them
+            assert not torch.equal(kmax[p], kp[p].amax(1)) or not torch.equal(kmin[p], kp[p].amin(1))
+    untouched = torch.ones(pages, dtype=torch.bool)
+    untouched[written] = False
+    assert (kmax[untouched] == 7).all() and (kmin[untouched] == -7).all()
+    # keeping the bounds leaves the sum as it is without them
+    kp0 = (torch.randn(shape, generator=torch.Generator().manual_seed(1000 + seed)) * 100).to(dtype)
+    ks0, cnt0 = torch.zeros(pages, H, D), torch.zeros(pages, dtype=torch.int32)
+    for a, b in zip(cuts, cuts[1:]):
+        kv_cache.store_kv(kp0, torch.zeros(shape, dtype=dtype), loc[a:b], k[a:b], v[a:b], ks0, cnt0)
+    assert torch.equal(ks0, ks) and torch.equal(cnt0, cnt)
+
+
+@pytest.mark.parametrize("impl", [kv_cache, kv_cache_naive])
+def test_store_kv_key_bounds_need_key_sum_and_each_other(impl):
+    loc, k, v, _, shape = write_stream(0)
+    pages, H, P, D = shape
+    kp, vp = torch.zeros(shape), torch.zeros(shape)
+    ks, cnt = torch.zeros(pages, H, D), torch.zeros(pages, dtype=torch.int32)
+    kmax, kmin = torch.zeros(pages, H, D), torch.zeros(pages, H, D)
+    with pytest.raises(ValueError):
+        impl.store_kv(kp, vp, loc, k, v, None, None, kmax, kmin)
+    with pytest.raises(ValueError):
+        impl.store_kv(kp, vp, loc, k, v, key_max=kmax, key_min=kmin)
+    with pytest.raises(ValueError):
+        impl.store_kv(kp, vp, loc, k, v, ks, cnt, kmax, None)
+    with pytest.raises(ValueError):
+        impl.store_kv(kp, vp, loc, k, v, ks, cnt, None, kmin)
+    assert not kp.any() and not ks.any()   # refused before anything was written
+    impl.store_kv(kp, vp, loc, k, v, ks, cnt, kmax, kmin)
+    assert kmax.any() and kmin.any()
+
+
+def test_store_kv_page_summaries_keep_key_bounds():
+    from sglang_compact.summaries import LayerSummaries, PageSummaries, store_kv
+
+    loc, k, v, cuts, (pages, H, P, D) = write_stream(3)
+    s = PageSummaries(2, pages, H, D, "cpu", key_bounds=True, bounds_dtype=torch.bfloat16)
+    assert s.key_max.shape == s.key_min.shape == (2, pages, H, D) and s.key_max.dtype == torch.bfloat16
+    assert PageSummaries.bytes_needed(2, pages, H, D, key_bounds=True, bounds_itemsize=2) == sum(
+        t.numel() * t.element_size() for t in (s.key_sum, s.count, s.key_max, s.key_min))
+    assert PageSummaries.bytes_needed(2, pages, H, D, key_bounds=True) == \
+        PageSummaries.bytes_needed(2, pages, H, D) + 2 * pages * 2 * H * D * 4
+    plain = PageSummaries(2, pages, H, D, "cpu")
+    assert plain.key_max is None and plain.layer(1).key_max is None and plain.layer(1).key_min is None
+    assert PageSummaries.bytes_needed(2, pages, H, D) == sum(
+        t.numel() * t.element_size() for t in (plain.key_sum, plain.count))
+    kp, vp = torch.zeros(pages, H, P, D, dtype=torch.bfloat16), torch.zeros(pages, H, P, D, dtype=torch.bfloat16)
+    layer = s.layer(1)
+    for a, b in zip(cuts, cuts[1:]):
+        store_kv(kp, vp, loc[a:b], k[a:b], v[a:b], layer)
+    assert not s.key_max[0].any() and s.key_max[1].any()        # layer 1's views were written, not layer 0
+    # from_pool computes the same summaries from the pool (the request's pages, in order)
+    E = len(loc)
+    order = loc[::P] // P
+    table = torch.zeros(1, pages, dtype=torch.int32)
+    table[0, :len(order)] = order.to(torch.int32)
+    ref = LayerSummaries.from_pool(kp, table, [E], key_bounds=True)
+    assert ref.key_max.dtype == torch.bfloat16
+    assert torch.equal(ref.key_max[order], s.key_max[1][order])
+    assert torch.equal(ref.key_min[order], s.key_min[1][order])
+    assert LayerSummaries.from_pool(kp, table, [E]).key_max is None
 
 
 @pytest.mark.parametrize("seed", SEEDS)

@@ -1,7 +1,8 @@
 """The page summaries inside SGLang's KV budget (sglang_compact/srt/memory.py).
 
-(a) `summary_bytes_per_token` against hand computations, and the AFTER hook on SGLang's per-token pool size
-    (`compat.POOL_CELL_SIZE`) adding it only where summaries are kept;
+(a) `summary_bytes_per_token` against hand computations (with and without the pages' key bounds), and the
+    AFTER hook on SGLang's per-token pool size (`compat.POOL_CELL_SIZE`) adding it only where summaries are
+    kept (and the bounds only where the selector reads them);
 (b) (server) SGLang sizes the pool from the memory left after the weights: stock `torch_native` and `compact`
     (default selector, which keeps summaries) started with the same `--mem-fraction-static 0.1` and no
     `--max-total-tokens` get `max_total_num_tokens` = budget // bytes per token (page-aligned), compact's
@@ -73,6 +74,23 @@ def test_summary_bytes_per_token_by_hand(layers, kv_heads, head_dim, dtype, page
     assert got == math.ceil(PageSummaries.bytes_needed(layers, 1, kv_heads, head_dim) / page)
 
 
+@pytest.mark.parametrize("layers, kv_heads, head_dim, dtype, page, want", [
+    # per page and layer, beside the sum and count: a key max and min per kv head and dim in the KV dtype
+    (30, 3, 64, torch.float32, 16, 4328),      # 30 * (3*64*4 + 4 + 2*3*64*4) / 16 = 4327.5 -> 4328
+    (30, 3, 64, torch.bfloat16, 16, 2888),     # 30 * (772 + 2*3*64*2) / 16 = 2887.5 -> 2888
+    (32, 8, 128, torch.bfloat16, 64, 4098),    # 32 * (4100 + 4096) / 64 = 4098
+    (1, 1, 16, torch.float32, 16, 13),         # 1 * (16*4 + 4 + 2*16*4) / 16 = 12.25 -> 13
+])
+def test_summary_bytes_per_token_with_key_bounds_by_hand(layers, kv_heads, head_dim, dtype, page, want):
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    cell = kv_cell(layers, kv_heads, head_dim, itemsize)
+    got = summary_bytes_per_token(cell, layers, dtype, page, key_bounds=True)
+    assert got == want
+    assert got == math.ceil(PageSummaries.bytes_needed(layers, 1, kv_heads, head_dim, key_bounds=True,
+                                                       bounds_itemsize=itemsize) / page)
+    assert got > summary_bytes_per_token(cell, layers, dtype, page)
+
+
 def test_the_summaries_share_is_one_page_at_bf16_and_half_that_at_fp32():
     for page in (16, 32, 64, 128, 256):
         bf16 = kv_cell(32, 8, 128, 2)
@@ -97,6 +115,22 @@ def test_the_cell_size_hook_adds_the_summaries_only_where_they_are_kept():
     assert add_summaries_to_cell_size(cell, None, kvc(selector="dense"), 30) is None   # keeps SGLang's size
     assert add_summaries_to_cell_size(cell, None, kvc(backend="torch_native"), 30) is None
     assert add_summaries_to_cell_size(cell, None, SimpleNamespace(), 30) is None       # unknown: left alone
+
+
+def test_the_cell_size_hook_adds_the_key_bounds_only_for_a_selector_that_reads_them():
+    cell = kv_cell(30, 3, 64, 4)
+
+    def with_spec(**spec):
+        k = kvc()
+        k.server_args._compact_config = SimpleNamespace(selector="bounds", spec=SimpleNamespace(**spec))
+        return k
+
+    assert add_summaries_to_cell_size(cell, None, with_spec(uses_summaries=True, uses_key_bounds=True), 30) == \
+        cell + 4328
+    assert add_summaries_to_cell_size(cell, None, with_spec(uses_summaries=True, uses_key_bounds=False), 30) == \
+        cell + 1448
+    assert add_summaries_to_cell_size(cell, None, with_spec(uses_summaries=True), 30) == cell + 1448  # no field
+    assert add_summaries_to_cell_size(cell, None, with_spec(uses_summaries=False, uses_key_bounds=True), 30) is None
 
 
 # --- (b) the server ------------------------------------------------------------------------------------------

@@ -198,7 +198,7 @@ def test_mass_budget_finds_a_needle_page_that_mean_keys_dilute():
         k[pages[j], :, 5] = 6.0 * direction.to(k.dtype)
         k[pages[j], :, 8:] = -0.8 * direction.to(k.dtype)
     config = dict(block_size=P, sink_blocks=0, recent_blocks=0, selector_params={"density": 0.4})
-    summaries = LayerSummaries.from_pool(b.k_pool, b.page_table, b.context_lens_cpu())
+    summaries = LayerSummaries.from_pool(b.k_pool, b.page_table, b.context_lens_cpu(), key_bounds=True)
     tables = {}
     for name in ("mass_budget", "quest_budget", "budget"):
         c = CompactConfig(selector=name, **config)
@@ -210,11 +210,24 @@ def test_mass_budget_finds_a_needle_page_that_mean_keys_dilute():
 
 def test_quest_bound_scores_equal_a_per_query_loop():
     """`quest_budget`'s scores against a loop over queries and pages: u = sum_d max(q_d kmax_d, q_d kmin_d) (an
-    upper bound of every q . k of the page), softmax over the q-block's candidate pages, max over its queries."""
-    from sglang_compact.selectors.quest_budget import bound_scores
+    upper bound of every q . k of the page), softmax over the q-block's candidate pages, max over its queries;
+    the bounds from the summaries the KV store keeps (written in chunks of 13 tokens) and from the pool alike."""
+    from sglang_compact.selectors.base import page_scores
+    from sglang_compact.summaries import PageSummaries, store_kv
     torch.manual_seed(1)
     b = batch(7, prefix=(200, 64, 330), chunk=(45, 20, 9), hq=4, hkv=2, d=16)
-    got = bound_scores(b)
+    kept = PageSummaries(1, b.k_pool.shape[0], b.num_kv_heads, b.head_dim, "cpu", key_bounds=True,
+                         bounds_dtype=b.k_pool.dtype).layer(0)
+    k_copy, v_copy = torch.zeros_like(b.k_pool), torch.zeros_like(b.k_pool)
+    for r, E in enumerate(b.context_lens_cpu()):
+        ps = b.page_size
+        slots = (b.page_table[r, :-(-E // ps)].long()[:, None] * ps + torch.arange(ps)).reshape(-1)[:E]
+        keys = b.context_keys(r).transpose(0, 1)                           # [E, H_kv, D]
+        for a in range(0, E, 13):
+            store_kv(k_copy, v_copy, slots[a:a + 13], keys[a:a + 13], keys[a:a + 13], kept)
+    got = page_scores(b, kept, key_bounds=True)
+    from_pool = LayerSummaries.from_pool(b.k_pool, b.page_table, b.context_lens_cpu(), key_bounds=True)
+    assert torch.equal(got, page_scores(b, from_pool, key_bounds=True))
     qb, P, G = b.qblocks, b.page_size, b.group_size
     want = torch.zeros_like(got)
     for i in range(qb.count):

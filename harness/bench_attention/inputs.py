@@ -115,5 +115,6 @@ def structured_batch(prefix_lens: list[int], chunk_lens: list[int], H_q: int, H_
 
 
 def fill_summaries(batch: ChunkBatch) -> LayerSummaries:
-    """Page summaries of the pool as serving would hold them (sum and count of each context page's written keys)."""
-    return LayerSummaries.from_pool(batch.k_pool, batch.page_table, batch.context_lens_cpu())
+    """Page summaries of the pool as serving would hold them (sum and count of each context page's written keys,
+    and their channel max / min, which `quest_budget` reads)."""
+    return LayerSummaries.from_pool(batch.k_pool, batch.page_table, batch.context_lens_cpu(), key_bounds=True)

@@ -378,7 +378,8 @@ def head_masks(batch: ChunkBatch, layer: int, cfg: CompactConfig, compact: Compa
     before the group union) and those whose `select` returns per-query-head masks; a ValueError for the others
     (budget and dense return the rows' table, a kv head's choice per window)."""
     if summaries is None and compact.uses_summaries:
-        summaries = LayerSummaries.from_pool(batch.k_pool, batch.page_table, batch.context_lens_cpu())
+        summaries = LayerSummaries.from_pool(batch.k_pool, batch.page_table, batch.context_lens_cpu(),
+                                             key_bounds=compact.uses_key_bounds)
     if cfg.selector in BLOCKSPARSE_FROM_SCORES:
         p = cfg.params
         mask = threshold_rows(page_scores(batch, summaries, query_stride=p.query_stride), batch.candidates()[None],
@@ -566,7 +567,9 @@ def simulate(layers: Sequence[LayerQKV], methods: Iterable[Method | str], *, chu
                 if key not in batches:
                     batches[key] = chunk_batch(lq.q[s:e], lq.k, lq.v, s, page_size, lq.scale, gate, T, k_pool, v_pool)
             any_batch = next(iter(batches.values()))
-            summaries = LayerSummaries.from_pool(k_pool, any_batch.page_table, any_batch.context_lens_cpu())
+            summaries = LayerSummaries.from_pool(k_pool, any_batch.page_table, any_batch.context_lens_cpu(),
+                                                 key_bounds=any(e.compact is not None and e.compact.uses_key_bounds
+                                                                for e in engines.values()))
             probs = o_ref = None
             if not density_only and report:
                 probs = context_probs(any_batch)                                     # [H_q, C, E]

@@ -4,8 +4,9 @@
 
 For a few serving shapes (chunks of C tokens after long prefixes; the kernel reads the page summaries
 of each q-block's candidate pages) it times every (BN, num_warps, num_stages) that compiles for the
-group-max scores (budget), the per-head scores and the fused threshold mask (flashprefill's default
-path), checks each output against the default configuration's, and prints the table;
+group-max scores (budget), the per-head scores, the fused threshold mask (flashprefill's default
+path) and the group max of Quest's bound (quest_budget: two dot products per tile), checks each
+output against the default configuration's, and prints the table;
 `launch_config` in the kernel module holds the choice made from it (results kept in
 docs/results/tune_flashprefill.md).
 """
@@ -31,13 +32,14 @@ SHAPES = [  # (name, prefix lens, chunk lens, H_q, H_kv, D, page)
 ]
 
 
-MODES = ("group_max", "per_head", "threshold")
+MODES = ("group_max", "per_head", "threshold", "bounds")   # bounds: group max of Quest's bound (quest_budget)
 
 
-def run(mode: str, args, P: int, cfg=None):
+def run(mode: str, args, P: int, cfg=None, bounds=None):
     if mode == "threshold":
         return k.threshold_mask(*args, 0.4, page_size=P, config=cfg).to(torch.float32)
-    return k.block_scores(*args, group_max=mode == "group_max", page_size=P, config=cfg)
+    return k.block_scores(*args, group_max=mode in ("group_max", "bounds"), page_size=P, config=cfg,
+                          key_bounds=bounds if mode == "bounds" else None)
 
 
 def split_check() -> int:
@@ -54,13 +56,16 @@ def split_check() -> int:
         args = (b.q, b.device_qblocks(), b.page_table, s.key_sum, s.count, b.sm_scale, 8, b.qblocks.max_pages)
         sms, NKV = k._sm_count(b.q.device), b.qblocks.max_pages
         for mode in MODES:
-            launch = dict(rows=4 * 64, NKV=NKV, group_max=mode == "group_max", programs=8 * b.qblocks.count, sms=sms)
+            launch = dict(rows=4 * 64, NKV=NKV, group_max=mode in ("group_max", "bounds"), programs=8 * b.qblocks.count,
+                          sms=sms)
             default = k.launch_config(**launch, splittable=mode != "threshold")["SPLIT"]
             one = dict(k.launch_config(**launch), SPLIT=1)
             cut = dict(one, SPLIT=max(2, min(-(-4 * sms // launch["programs"]), NKV // (4 * one["BN"]), k.MAX_SPLIT)))
-            got, ref = run(mode, args, 64, cut), run(mode, args, 64, one)
+            bounds = (s.key_max, s.key_min)
+            got, ref = run(mode, args, 64, cut, bounds), run(mode, args, 64, one, bounds)
             err = ((got - ref).abs().max() / ref.abs().max().clamp(min=1e-30)).item()
-            ms, ms1 = timer.device_ms(lambda: run(mode, args, 64, cut)), timer.device_ms(lambda: run(mode, args, 64, one))
+            ms = timer.device_ms(lambda: run(mode, args, 64, cut, bounds))
+            ms1 = timer.device_ms(lambda: run(mode, args, 64, one, bounds))
             print(f"| {prefix} | {mode} | {cut['SPLIT']} | {ms:.3f} | {ms1:.3f} | {ms1 / ms:.2f} | {err:.1e} | {default} |",
                   flush=True)
         del b, s
@@ -79,18 +84,19 @@ def main() -> int:
         args = (b.q, b.device_qblocks(), b.page_table, s.key_sum, s.count, b.sm_scale, b.num_kv_heads,
                 b.qblocks.max_pages)
         GP = 1 << (hq // hkv - 1).bit_length()
+        bounds = (s.key_max, s.key_min)
         rows = []
         for mode in MODES:
-            ref = run(mode, args, P)
+            ref = run(mode, args, P, bounds=bounds)
             for bn, warps, stages in itertools.product((32, 64, 128), (4, 8), (2, 3)):
                 cfg = dict(BN=bn, num_warps=warps, num_stages=stages)
                 try:
-                    out = run(mode, args, P, cfg)
+                    out = run(mode, args, P, cfg, bounds)
                     if mode == "threshold":
                         err = (out != ref).float().mean().item()
                     else:
                         err = ((out - ref).abs().max() / ref.abs().max()).item()
-                    ms = timer.device_ms(lambda: run(mode, args, P, cfg))
+                    ms = timer.device_ms(lambda: run(mode, args, P, cfg, bounds))
                 except Exception as e:  # noqa: BLE001 - a config that does not compile or fit
                     rows.append((mode, cfg, None, f"{type(e).__name__}"))
                     continue
@@ -98,7 +104,8 @@ def main() -> int:
         print(f"\n## {name}")
         print("| mode | BN | warps | stages | ms | note |\n|---|---|---|---|---|---|")
         for mode, cfg, ms, note in sorted(rows, key=lambda r: (MODES.index(r[0]), r[2] if r[2] is not None else 1e9)):
-            mark = " (default)" if cfg == k.launch_config(GP * P, b.qblocks.max_pages, mode == "group_max") else ""
+            grouped = mode in ("group_max", "bounds")
+            mark = " (default)" if cfg == k.launch_config(GP * P, b.qblocks.max_pages, grouped) else ""
             ms_s = f"{ms:.3f}" if ms is not None else "-"
             print(f"| {mode} | {cfg['BN']} | {cfg['num_warps']} | {cfg['num_stages']} | {ms_s} | {note}{mark} |")
         del b, s

@@ -98,16 +98,22 @@ class Selector:
 # --- shared helpers -------------------------------------------------------------------
 
 def page_scores(batch: ChunkBatch, summaries: LayerSummaries, *, group_max: bool = False,
-                query_stride: int = 1) -> torch.Tensor:
-    """FlashPrefill-style scores of each q-block's candidate pages against their mean keys
-    (`kernels/flashprefill_naive.py`): float32 [H_q or H_kv (group_max), NQB, NKV], 0 outside candidates.
-    The Triton kernel on CUDA when it supports the shapes, else the torch twin."""
+                query_stride: int = 1, key_bounds: bool = False) -> torch.Tensor:
+    """FlashPrefill-style scores of each q-block's candidate pages against their mean keys, or with `key_bounds`
+    against Quest's bound from their per-channel key max / min (`kernels/flashprefill_naive.py`): float32
+    [H_q or H_kv (group_max), NQB, NKV], 0 outside candidates. The Triton kernel on CUDA when it supports the
+    shapes, else the torch twin."""
+    bounds = None
+    if key_bounds:
+        if summaries.key_max is None or summaries.key_min is None:
+            raise ValueError("page_scores: the summaries keep no key max / min (PageSummaries(key_bounds=True))")
+        bounds = (summaries.key_max, summaries.key_min)
     args = (batch.q, batch.device_qblocks(), batch.page_table, summaries.key_sum, summaries.count, batch.sm_scale,
             batch.num_kv_heads, batch.qblocks.max_pages)
     if use_triton(batch.q) and flashprefill_kernel.supports(batch.head_dim, batch.page_size, query_stride):
         return flashprefill_kernel.block_scores(*args, group_max=group_max, query_stride=query_stride,
-                                                page_size=batch.page_size)
-    return flashprefill_naive.block_scores(*args, group_max=group_max, query_stride=query_stride)
+                                                page_size=batch.page_size, key_bounds=bounds)
+    return flashprefill_naive.block_scores(*args, group_max=group_max, query_stride=query_stride, key_bounds=bounds)
 
 
 def threshold_rows(scores: torch.Tensor, valid: torch.Tensor, alpha: float) -> torch.Tensor:

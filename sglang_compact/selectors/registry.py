@@ -152,6 +152,8 @@ class SelectorSpec:
         (`Selector.fill`), so the row lengths are known on the host after it and one fa3 plan serves the rest
         of the pass.
     uses_summaries: it scores the pages' mean keys (`PageSummaries`), which the backend then keeps.
+    uses_key_bounds: it also reads each page's per-channel key max and min (`PageSummaries(key_bounds=True)`),
+        which the backend then keeps beside the mean keys (implies uses_summaries).
     expected_density: the fraction of a long context it typically reads (from the parameters and, where they
         set layers apart, the model's layer count: `expected_density(params, num_layers=None)`), which the cost
         gate weighs against its overhead.
@@ -169,6 +171,7 @@ class SelectorSpec:
     help: str
     fixes_rows_at_observing_layer: Callable[[SelectorParams], bool] = lambda _p: False
     priced_search: bool = True
+    uses_key_bounds: bool = False
 
     def make(self, config) -> "Selector":
         return self.cls(config)
@@ -194,7 +197,7 @@ def register_selector(name: str, *, params: type[SelectorParams] = NoParams, fix
                       uses_summaries: bool = False,
                       expected_density: float | Callable[..., float] = 1.0,
                       fixes_rows_at_observing_layer: Callable[[SelectorParams], bool] | None = None,
-                      priced_search: bool = True) -> Callable[[type], type]:
+                      priced_search: bool = True, uses_key_bounds: bool = False) -> Callable[[type], type]:
     """Class decorator registering a `Selector` subclass under `name` (re-registering a name replaces it)."""
     if not name or not name.replace("_", "").replace("-", "").isalnum():
         raise ValueError(f"selector name {name!r} must be letters, digits, '-' or '_'")
@@ -204,8 +207,9 @@ def register_selector(name: str, *, params: type[SelectorParams] = NoParams, fix
 
     def deco(cls: type) -> type:
         doc = (cls.__doc__ or "").strip().splitlines()
-        spec = SelectorSpec(name, cls, params, fixes_row_lengths, uses_summaries, density, doc[0] if doc else "",
-                            fixes_rows_at_observing_layer or (lambda _p: False), priced_search)
+        spec = SelectorSpec(name, cls, params, fixes_row_lengths, uses_summaries or uses_key_bounds, density,
+                            doc[0] if doc else "", fixes_rows_at_observing_layer or (lambda _p: False), priced_search,
+                            uses_key_bounds)
         cls.name = name
         cls.spec = spec
         _REGISTRY[name] = spec

@@ -142,7 +142,8 @@ class CompactRuntime:
                                num_layers=view.num_layers)
         summaries = None
         if compact.uses_summaries and not gate.decision.never:
-            summaries = PageSummaries(view.num_layers, view.num_pages, view.num_kv_heads, view.head_dim, view.device)
+            summaries = PageSummaries(view.num_layers, view.num_pages, view.num_kv_heads, view.head_dim, view.device,
+                                      key_bounds=compact.uses_key_bounds, bounds_dtype=view.kv_dtype)
         metrics = metrics_for(view.enable_metrics, view.metric_labels, view.num_layers,
                               None if gate.decision.never else gate.decision.min_context, gate.dense_above)
         if config.recall_every and metrics is None:
