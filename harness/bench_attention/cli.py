@@ -19,7 +19,8 @@ the benchmark's batches is sparse.
                           writes the wrapper's buffers). <sel> = flashprefill (alpha), xattention
                           (threshold), budget_<d> (fixed density d; budget_1.0 = everything, which separates
                           kernel choice from sparsity), mass_budget_<d> (fixed density d ranked by the
-                          xattention mass estimate, stride --xattn-stride).
+                          xattention mass estimate, stride --xattn-stride), quest_budget_<d> (fixed density d
+                          ranked by Quest's bound from the pages' key max / min).
   compact_fa3_<sel>       the same on the fa3 executor: for budget_<d> (row lengths fixed on the host,
                           CompactAttention.row_pages) planned once per forward pass like fa2 (its host plan
                           is begin_forward_ms); for threshold selectors a plan() per layer with a device->host
@@ -103,7 +104,7 @@ def parse_args(argv=None, defaults: Mapping[str, Any] | None = None):
     defaults = dict(defaults or {})
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="Methods (fnmatch patterns for --methods): dense_fa2 dense_fa3 dense_torch "
-                                       "compact[_fa3]_{flashprefill,xattention,budget_<d>,mass_budget_<d>} "
+                                       "compact[_fa3]_{flashprefill,xattention,budget_<d>,mass_budget_<d>,quest_budget_<d>} "
                                        "bsparse_{flashprefill,xattention,budget_<d>} quoka")
     p.add_argument("--contexts", help=f"prefix lengths (default {FULL['contexts']}; the chunk follows them)")
     p.add_argument("--chunks", help=f"chunk lengths (default {FULL['chunks']})")

@@ -42,6 +42,9 @@ def known_methods(budgets: list[float]) -> list[Method]:
     # budgets ranked by XAttention's mass estimate (its torch search against budget's mean-key kernel)
     for prefix, bk in (("compact", "fa2"), ("compact_fa3", "fa3")):
         ms += [Method(f"{prefix}_mass_budget_{d}", "compact", bk, "mass_budget", fixed_density=d) for d in budgets]
+    # budgets ranked by Quest's bound from the pages' key max / min (the same kernel as budget's, two dots per tile)
+    for prefix, bk in (("compact", "fa2"), ("compact_fa3", "fa3")):
+        ms += [Method(f"{prefix}_quest_budget_{d}", "compact", bk, "quest_budget", fixed_density=d) for d in budgets]
     # the default selector with its rows fixed at the pass's observing layer (on fa3: planned once)
     for prefix, bk in (("compact", "fa2"), ("compact_fa3", "fa3")):
         ms.append(Method(f"{prefix}_flashprefill_fixed", "compact", bk, "flashprefill", params={"fix_rows": True}))
@@ -69,6 +72,8 @@ def selector_config(args, m: Method, union_window: int | None = None) -> Compact
         params = {"threshold": args.xattn_threshold, "stride": args.xattn_stride}
     elif m.selector == "mass_budget":
         params = {"density": m.fixed_density, "stride": args.xattn_stride, "row_stride": args.query_stride}
+    elif m.selector == "quest_budget":
+        params = {"density": m.fixed_density}
     else:
         params = {"density": m.fixed_density, "query_stride": args.query_stride}
     # the benchmark's batches fix their windows (`union_window` tokens) and make every one sparse: min_context and

@@ -157,7 +157,7 @@ def render_png(rows: list[dict], path: Path) -> str | None:
 
 
 ABBREV = (("compact_fa3_", "c3."), ("compact_", "c."), ("bsparse_", "bs."), ("dense_", "d."), ("flashprefill", "fp"),
-          ("xattention", "xa"), ("mass_budget_", "mb"), ("budget_", "b"))
+          ("xattention", "xa"), ("mass_budget_", "mb"), ("quest_budget_", "qb"), ("budget_", "b"))
 
 
 def abbrev(name: str) -> str:

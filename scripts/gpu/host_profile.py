@@ -4,8 +4,9 @@
     source scripts/gpu/setup.sh
     python3 scripts/gpu/host_profile.py --out $OUT/host_profile
 
-For each selector (`budget` 0.3 on fa3 rows planned once, `mass_budget` 0.33 on fa3 rows, `flashprefill` on fa2
-rows, and `flashprefill` with `fix_rows` on fa3 rows: a layer after the observing one, filling its rows) one sparse forward pass of Llama-3.1-8B heads (32/8 x 128, page 64) is planned at a size where launches,
+For each selector (`budget` 0.3 on fa3 rows planned once, `mass_budget` and `quest_budget` 0.33 on fa3 rows,
+`flashprefill` on fa2 rows, and `flashprefill` with `fix_rows` on fa3 rows: a layer after the observing one,
+filling its rows) one sparse forward pass of Llama-3.1-8B heads (32/8 x 128, page 64) is planned at a size where launches,
 not kernels, bound a layer (context 4096, chunk 256: the size `calibrate_gate.py` takes its host time at), and
 then a layer as the server runs it is called back to back: the layer's batch (`ExtendPlanner._layer_batch`),
 `CompactAttention.select_pages` and `executor.run`, with no sync between layers. Reported per selector:
@@ -41,6 +42,7 @@ from sglang_compact.executors import ForwardShape  # noqa: E402
 from sglang_compact.executors.flashinfer_executor import make_flashinfer_executor  # noqa: E402
 
 SELECTORS = (("budget", {"density": 0.3}, "fa3"), ("mass_budget", {"density": 0.33}, "fa3"),
+             ("quest_budget", {"density": 0.33}, "fa3"),
              ("flashprefill", {"alpha": 0.4}, "fa2"), ("flashprefill", {"alpha": 0.4, "fix_rows": True}, "fa3"))
 
 
