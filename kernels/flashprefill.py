@@ -229,8 +229,9 @@ def _launch(mode, q, qb, page_table, key_sum, count, sm_scale, num_kv_heads, n_p
         raise ValueError(f"flashprefill kernel: {H_q} query heads are not a multiple of {num_kv_heads} kv heads")
     if NQB == 0 or n_pages == 0:
         return
-    if key_bounds is not None and any(t.stride(-1) != 1 for t in key_bounds):
-        raise ValueError("flashprefill kernel: key_max / key_min must be contiguous in head_dim")
+    if key_bounds is not None and any(t.shape != key_sum.shape or not t.is_contiguous() for t in key_bounds):
+        raise ValueError(f"flashprefill kernel: key_max / key_min must be contiguous {tuple(key_sum.shape)} "
+                         f"like key_sum, got {[tuple(t.shape) for t in key_bounds]}")
     key_max, key_min = key_bounds if key_bounds is not None else (key_sum, key_sum)
     if q.stride(2) != 1:
         q = q.contiguous()
