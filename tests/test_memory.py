@@ -129,7 +129,6 @@ def test_the_cell_size_hook_adds_the_key_bounds_only_for_a_selector_that_reads_t
         cell + 4328
     assert add_summaries_to_cell_size(cell, None, with_spec(uses_summaries=True, uses_key_bounds=False), 30) == \
         cell + 1448
-    assert add_summaries_to_cell_size(cell, None, with_spec(uses_summaries=True), 30) == cell + 1448  # no field
     assert add_summaries_to_cell_size(cell, None, with_spec(uses_summaries=False, uses_key_bounds=True), 30) is None
 
 
