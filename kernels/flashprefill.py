@@ -44,7 +44,7 @@ def _search_kernel(q, qb_req, qb_cand, qb_start, qb_len, page_table, key_sum, co
                    stride_qt, stride_qh, stride_pt, H_q, H_kv, NQB, NKV, sm_scale, alpha,
                    G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BN: tl.constexpr, MODE: tl.constexpr,
                    QS: tl.constexpr, BQS: tl.constexpr, SPLIT: tl.constexpr, PHASE: tl.constexpr,
-                   BOUNDS: tl.constexpr):
+                   BOUNDS: tl.constexpr, HC: tl.constexpr, GPC: tl.constexpr):
     g = tl.program_id(0)
     qi = tl.program_id(1)
     sp = tl.program_id(2)
@@ -52,61 +52,69 @@ def _search_kernel(q, qb_req, qb_cand, qb_start, qb_len, page_table, key_sum, co
     n_iter = tl.load(qb_cand + qi)   # candidates: the pages before the q-block's window (none for a dense one)
     start = tl.load(qb_start + qi)
     n_q = tl.load(qb_len + qi)
-    # tile rows r = hp * BQS + u: query head g * G + hp, token start + u * QS (hp < GP, padded heads masked)
-    offs_r = tl.arange(0, GP * BQS)
-    hp = offs_r // BQS
-    offs_u = (offs_r % BQS) * QS
-    r_ok = (hp < G) & (offs_u < n_q)
-    h = g * G + hp
-    offs_d = tl.arange(0, D)
-    qv = tl.load(q + (start + offs_u).to(tl.int64)[:, None] * stride_qt + h[:, None] * stride_qh + offs_d[None, :],
-                 mask=r_ok[:, None], other=0.0)
-    # with BOUNDS a page's logit is Quest's bound q+ . kmax + q- . kmin: q_pos holds q+, q_neg q- (else q_pos is q)
-    if BOUNDS:
-        q_pos = tl.maximum(qv, 0.0).to(qv.dtype)
-        q_neg = tl.minimum(qv, 0.0).to(qv.dtype)
-    else:
-        q_pos = qv
-        q_neg = qv
     pt_row = page_table + b.to(tl.int64) * stride_pt
     qk_scale = sm_scale * 1.4426950408889634  # logits in base 2: exp2 is the native instruction
-    # pass 1: per-query max and denominator over the candidate pages (PHASE 1: over this split's share of them,
-    # stored to `stats`; PHASE 2: the splits' shares combined)
-    m = tl.full([GP * BQS], float("-inf"), tl.float32)
-    l = tl.zeros([GP * BQS], tl.float32)
-    stats_row = stats + ((sp * H_kv + g) * NQB + qi).to(tl.int64) * (2 * GP * BQS) + offs_r
-    if PHASE == 2:
-        for t in range(0, SPLIT):
-            part = stats + ((t * H_kv + g) * NQB + qi).to(tl.int64) * (2 * GP * BQS) + offs_r
-            m_t = tl.load(part)
-            m = tl.maximum(m, m_t)
-        for t in range(0, SPLIT):
-            part = stats + ((t * H_kv + g) * NQB + qi).to(tl.int64) * (2 * GP * BQS) + offs_r
-            m_t = tl.load(part)
-            l_t = tl.load(part + GP * BQS)
-            l += tl.where(l_t > 0, l_t * tl.exp2(m_t - m), 0.0)
-    else:
-        lo1 = 0
-        hi1 = n_iter
+    offs_d = tl.arange(0, D)
+    # the group's GP heads in HC chunks of GPC, one after another: a tile (two with BOUNDS) of GP * BQS rows
+    # would not fit in shared memory for 8 heads x 64 queries x head_dim 128 (`head_chunks`)
+    for hc in tl.static_range(HC):
+        # tile rows r = hp * BQS + u: query head g * G + hc * GPC + hp, token start + u * QS (padded heads masked)
+        offs_r = tl.arange(0, GPC * BQS)
+        hp = hc * GPC + offs_r // BQS
+        offs_u = (offs_r % BQS) * QS
+        r_ok = (hp < G) & (offs_u < n_q)
+        h = g * G + hp
+        qv = tl.load(q + (start + offs_u).to(tl.int64)[:, None] * stride_qt + h[:, None] * stride_qh
+                     + offs_d[None, :], mask=r_ok[:, None], other=0.0)
+        # with BOUNDS a page's logit is Quest's bound q+ . kmax + q- . kmin: q_pos holds q+, q_neg q- (else q_pos
+        # is q)
+        if BOUNDS:
+            q_pos = tl.maximum(qv, 0.0).to(qv.dtype)
+            q_neg = tl.minimum(qv, 0.0).to(qv.dtype)
+        else:
+            q_pos = qv
+            q_neg = qv
+        # pass 1: per-query max and denominator over the candidate pages (PHASE 1: over this split's share of
+        # them, stored to `stats`; PHASE 2: the splits' shares combined)
+        m = tl.full([GPC * BQS], float("-inf"), tl.float32)
+        l = tl.zeros([GPC * BQS], tl.float32)
+        stats_rows = hc * GPC * BQS + offs_r
+        if PHASE == 2:
+            for t in range(0, SPLIT):
+                part = stats + ((t * H_kv + g) * NQB + qi).to(tl.int64) * (2 * GP * BQS) + stats_rows
+                m_t = tl.load(part)
+                m = tl.maximum(m, m_t)
+            for t in range(0, SPLIT):
+                part = stats + ((t * H_kv + g) * NQB + qi).to(tl.int64) * (2 * GP * BQS) + stats_rows
+                m_t = tl.load(part)
+                l_t = tl.load(part + GP * BQS)
+                l += tl.where(l_t > 0, l_t * tl.exp2(m_t - m), 0.0)
+        else:
+            lo1 = 0
+            hi1 = n_iter
+            if PHASE == 1:
+                share = tl.cdiv(tl.cdiv(n_iter, SPLIT), BN) * BN
+                lo1 = sp * share
+                hi1 = tl.minimum(n_iter, lo1 + share)
+            for j0 in range(lo1, hi1, BN):
+                offs_j = j0 + tl.arange(0, BN)
+                j_ok = offs_j < hi1
+                s = _page_logits(q_pos, q_neg, pt_row, offs_j, j_ok, key_sum, count, key_max, key_min, g, H_kv,
+                                 offs_d, D, BOUNDS) * qk_scale
+                s = tl.where(j_ok[None, :], s, float("-inf"))
+                m_new = tl.maximum(m, tl.max(s, axis=1))
+                l = l * tl.exp2(m - m_new) + tl.sum(tl.exp2(s - m_new[:, None]), axis=1)
+                m = m_new
         if PHASE == 1:
-            share = tl.cdiv(tl.cdiv(n_iter, SPLIT), BN) * BN
-            lo1 = sp * share
-            hi1 = tl.minimum(n_iter, lo1 + share)
-        for j0 in range(lo1, hi1, BN):
-            offs_j = j0 + tl.arange(0, BN)
-            j_ok = offs_j < hi1
-            s = _page_logits(q_pos, q_neg, pt_row, offs_j, j_ok, key_sum, count, key_max, key_min, g, H_kv, offs_d, D,
-                             BOUNDS) * qk_scale
-            s = tl.where(j_ok[None, :], s, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, axis=1))
-            l = l * tl.exp2(m - m_new) + tl.sum(tl.exp2(s - m_new[:, None]), axis=1)
-            m = m_new
-    if PHASE == 1:
-        tl.store(stats_row, m)
-        tl.store(stats_row + GP * BQS, l)
-    else:
-        _scores_out(out, q_pos, q_neg, m, l, r_ok, pt_row, key_sum, count, key_max, key_min, g, qi, sp, H_kv, NQB, NKV,
-                    n_iter, qk_scale, alpha, offs_d, G, GP, D, BN, MODE, BQS, SPLIT, BOUNDS)
+            stats_row = stats + ((sp * H_kv + g) * NQB + qi).to(tl.int64) * (2 * GP * BQS) + stats_rows
+            tl.store(stats_row, m)
+            tl.store(stats_row + GP * BQS, l)
+        else:
+            if hc > 0:
+                tl.debug_barrier()   # the previous chunk's output columns, read back below, are written
+            _scores_out(out, q_pos, q_neg, m, l, r_ok, pt_row, key_sum, count, key_max, key_min, g, qi, sp, H_kv,
+                        NQB, NKV, n_iter, qk_scale, alpha, offs_d, hc * GPC, hc > 0, G, GPC, D, BN, MODE, BQS,
+                        SPLIT, BOUNDS)
 
 
 @triton.jit
@@ -129,16 +137,18 @@ def _page_logits(q_pos, q_neg, pt_row, offs_j, j_ok, key_sum, count, key_max, ke
 
 @triton.jit
 def _scores_out(out, q_pos, q_neg, m, l, r_ok, pt_row, key_sum, count, key_max, key_min, g, qi, sp, H_kv, NQB, NKV,
-                n_iter, qk_scale, alpha, offs_d, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BN: tl.constexpr,
-                MODE: tl.constexpr, BQS: tl.constexpr, SPLIT: tl.constexpr, BOUNDS: tl.constexpr):
-    # pass 2: normalised probabilities, max over each head's queries of the q-block
+                n_iter, qk_scale, alpha, offs_d, HP0: tl.constexpr, COMBINE: tl.constexpr, G: tl.constexpr,
+                GPC: tl.constexpr, D: tl.constexpr, BN: tl.constexpr, MODE: tl.constexpr, BQS: tl.constexpr,
+                SPLIT: tl.constexpr, BOUNDS: tl.constexpr):
+    # pass 2 for heads HP0 .. HP0 + GPC of the group: normalised probabilities, max over each head's queries of
+    # the q-block; a group output (MODE >= 1) with COMBINE folds in what the group's earlier heads stored
     valid_row = r_ok & (l > 0)
     inv_l = tl.where(valid_row, 1.0 / l, 0.0)
     m = tl.where(valid_row, m, 0.0)
-    offs_hp = tl.arange(0, GP)
+    offs_hp = HP0 + tl.arange(0, GPC)
     row = g * NQB + qi
     if MODE >= 2:
-        best = tl.max(tl.reshape(inv_l, [GP, BQS]), axis=1)      # [GP] each head's best score
+        best = tl.max(tl.reshape(inv_l, [GPC, BQS]), axis=1)      # [GPC] each head's best score
         thr = alpha * best
         head_ok = (offs_hp < G) & (best > 0)
         inv_best = tl.where(head_ok, 1.0 / tl.where(head_ok, best, 1.0), 0.0)
@@ -146,7 +156,7 @@ def _scores_out(out, q_pos, q_neg, m, l, r_ok, pt_row, key_sum, count, key_max, 
     elif MODE == 1:
         out_row = out + row.to(tl.int64) * NKV
     else:
-        out_rows = out + ((g * G + offs_hp).to(tl.int64) * NQB + qi) * NKV  # [GP]
+        out_rows = out + ((g * G + offs_hp).to(tl.int64) * NQB + qi) * NKV  # [GPC]
     lo2 = 0
     hi2 = NKV
     if SPLIT > 1:   # this split's share of the output columns
@@ -156,25 +166,32 @@ def _scores_out(out, q_pos, q_neg, m, l, r_ok, pt_row, key_sum, count, key_max, 
     for j0 in range(lo2, hi2, BN):
         offs_j = j0 + tl.arange(0, BN)
         j_ok = offs_j < n_iter
-        score = tl.zeros([GP, BN], tl.float32)
+        col_ok = offs_j < hi2
+        score = tl.zeros([GPC, BN], tl.float32)
         if j0 < n_iter:
             s = _page_logits(q_pos, q_neg, pt_row, offs_j, j_ok, key_sum, count, key_max, key_min, g, H_kv, offs_d, D,
                              BOUNDS) * qk_scale
             p = tl.exp2(s - m[:, None]) * inv_l[:, None]
             p = tl.where(valid_row[:, None] & j_ok[None, :], p, 0.0)
-            score = tl.max(tl.reshape(p, [GP, BQS, BN]), axis=1)
+            score = tl.max(tl.reshape(p, [GPC, BQS, BN]), axis=1)
         if MODE == 2:
             keep = (score >= thr[:, None]) & head_ok[:, None] & j_ok[None, :]
-            keep_any = tl.max(keep.to(tl.int32), axis=0) > 0
-            tl.store(out_row + offs_j, keep_any.to(tl.int8), mask=offs_j < hi2)
+            keep_any = tl.max(keep.to(tl.int32), axis=0)
+            if COMBINE:
+                keep_any = tl.maximum(keep_any, tl.load(out_row + offs_j, mask=col_ok, other=0).to(tl.int32))
+            tl.store(out_row + offs_j, (keep_any > 0).to(tl.int8), mask=col_ok)
         elif MODE == 3:
-            ratio = tl.where(head_ok[:, None] & j_ok[None, :], score * inv_best[:, None], 0.0)
-            tl.store(out_row + offs_j, tl.max(ratio, axis=0), mask=offs_j < hi2)
+            ratio = tl.max(tl.where(head_ok[:, None] & j_ok[None, :], score * inv_best[:, None], 0.0), axis=0)
+            if COMBINE:
+                ratio = tl.maximum(ratio, tl.load(out_row + offs_j, mask=col_ok, other=0.0))
+            tl.store(out_row + offs_j, ratio, mask=col_ok)
         elif MODE == 1:
-            tl.store(out_row + offs_j, tl.max(score, axis=0), mask=offs_j < hi2)
+            group = tl.max(score, axis=0)
+            if COMBINE:
+                group = tl.maximum(group, tl.load(out_row + offs_j, mask=col_ok, other=0.0))
+            tl.store(out_row + offs_j, group, mask=col_ok)
         else:
-            tl.store(out_rows[:, None] + offs_j[None, :], score,
-                     mask=(offs_hp < G)[:, None] & (offs_j < hi2)[None, :])
+            tl.store(out_rows[:, None] + offs_j[None, :], score, mask=(offs_hp < G)[:, None] & col_ok[None, :])
 
 
 def launch_config(rows: int, NKV: int, group_max: bool, programs: int = 0, sms: int = 0,
@@ -196,6 +213,19 @@ def launch_config(rows: int, NKV: int, group_max: bool, programs: int = 0, sms: 
                 SPLIT=split)
 
 
+def head_chunks(GP: int, BQS: int, D: int, itemsize: int, bounds: bool) -> int:
+    """How many chunks a program takes its group's GP (padded) query heads in, one after another: the query
+    tile (two, q+ and q-, with key bounds) of a chunk stays within MAX_QUERY_TILE_BYTES. One but for the bounds
+    at 8 heads x 64 queries x head_dim 128 in bf16 (two 128 KiB tiles do not fit in the H200's 227 KiB of
+    shared memory beside the pages' tiles: Triton's OutOfResources)."""
+    tile = GP * BQS * D * itemsize * (2 if bounds else 1)
+    hc = 1
+    while hc < GP and tile // hc > MAX_QUERY_TILE_BYTES:
+        hc *= 2
+    return hc
+
+
+MAX_QUERY_TILE_BYTES = 128 * 1024
 MAX_SPLIT = 8
 MIN_SPLIT_PAGES = 1024
 _SMS: dict = {}
@@ -243,6 +273,9 @@ def _launch(mode, q, qb, page_table, key_sum, count, sm_scale, num_kv_heads, n_p
                                splittable=mode != THRESHOLD)
     split = config.get("SPLIT", 1)
     BQS = P // query_stride
+    hc = config.get("HC") or head_chunks(GP, BQS, D, q.element_size(), key_bounds is not None)
+    if GP % hc:
+        raise ValueError(f"flashprefill kernel: {hc} head chunks do not divide the group's {GP} padded heads")
     # split: PHASE 1 writes each share's softmax statistics (max, denominator per query row), PHASE 2 combines
     # them and writes its share of the output columns; else one PHASE 0 program per (kv head, q-block)
     stats = torch.empty(split * num_kv_heads * NQB * 2 * GP * BQS, dtype=torch.float32, device=q.device) \
@@ -253,7 +286,8 @@ def _launch(mode, q, qb, page_table, key_sum, count, sm_scale, num_kv_heads, n_p
             stats,
             q.stride(0), q.stride(1), page_table.stride(0), H_q, num_kv_heads, NQB, n_pages, float(sm_scale),
             float(alpha), G=G, GP=GP, D=D, BN=config["BN"], MODE=mode, QS=query_stride, BQS=BQS, SPLIT=split,
-            PHASE=phase, BOUNDS=key_bounds is not None, num_warps=config["num_warps"], num_stages=config["num_stages"])
+            PHASE=phase, BOUNDS=key_bounds is not None, HC=hc, GPC=GP // hc, num_warps=config["num_warps"],
+            num_stages=config["num_stages"])
 
 
 def block_scores(q: torch.Tensor, qb: dict, page_table: torch.Tensor, key_sum: torch.Tensor, count: torch.Tensor,

@@ -132,6 +132,52 @@ def test_bound_scores_equal_reference(seed, Hq, Hkv, D, split):
         assert not torch.allclose(want, flashprefill_naive.block_scores(*args, group_max=group_max), atol=1e-3)
 
 
+@pytest.mark.parametrize("seed", [0, 3])
+@pytest.mark.parametrize("chunks", [2, 8])
+@pytest.mark.parametrize("split", [1, 3])
+def test_search_in_head_chunks_equals_one_chunk(seed, chunks, split):
+    """A program taking its group's heads in chunks (`HC`, one after another; the group outputs fold each chunk
+    into what the earlier ones stored) gives every output one chunk gives, and the reference's: per head and
+    group max, mean keys and bounds, ratios and the threshold mask, one program or SPLIT per q-block."""
+    P, Hq, Hkv, D = 16, 14, 2, 32     # 7 heads a group, padded to 8
+    case = random_geometry(seed, P=P, max_pages=40)
+    q, key_sum, count = queries_and_summaries(case, Hq, Hkv, D)
+    g = case["generator"]
+    centre = torch.randn(case["num_pages"], Hkv, D, generator=g)
+    radius = torch.rand(case["num_pages"], Hkv, D, generator=g) * 2
+    qb = case["qb"].on("cpu")
+    NKV = case["qb"].max_pages
+    args = (q, qb, case["page_table"], key_sum, count, 0.125, Hkv, NKV)
+    one = dict(BN=16, num_warps=4, num_stages=2, SPLIT=split, HC=1)
+    cut = dict(one, HC=chunks)
+    for bounds in (None, (centre + radius, centre - radius)):
+        for group_max in (False, True):
+            got = flashprefill.block_scores(*args, group_max=group_max, page_size=P, config=cut, key_bounds=bounds)
+            torch.testing.assert_close(got, flashprefill.block_scores(*args, group_max=group_max, page_size=P,
+                                                                      config=one, key_bounds=bounds),
+                                       atol=1e-6, rtol=1e-5)
+            torch.testing.assert_close(got, flashprefill_naive.block_scores(*args, group_max=group_max,
+                                                                            key_bounds=bounds), atol=1e-5, rtol=1e-4)
+            assert (got > 0).sum() > 20
+    torch.testing.assert_close(flashprefill.ratio_scores(*args, page_size=P, config=cut),
+                               flashprefill_naive.ratio_scores(*args), atol=1e-5, rtol=1e-4)
+    for alpha in (0.05, 0.3):
+        mask = flashprefill.threshold_mask(*args, alpha, page_size=P, config=cut)
+        assert torch.equal(mask, flashprefill.threshold_mask(*args, alpha, page_size=P, config=one))
+        assert mask.any()
+    with pytest.raises(ValueError, match="head chunks"):
+        flashprefill.block_scores(*args, page_size=P, config=dict(one, HC=3))
+
+
+def test_head_chunks_keep_the_query_tiles_within_shared_memory():
+    chunks = flashprefill.head_chunks
+    assert chunks(8, 64, 128, 2, bounds=True) == 2     # Llama-70B / Qwen2.5-7B groups, page 64: two 128 KiB tiles
+    assert chunks(8, 64, 128, 2, bounds=False) == 1    # one tile: as measured on the H200
+    assert chunks(4, 64, 128, 2, bounds=True) == 1     # Llama-3.1-8B
+    assert chunks(8, 32, 64, 2, bounds=True) == 1      # Qwen2.5-Coder-0.5B, page 32
+    assert chunks(1, 128, 256, 4, bounds=True) == 1    # one head: nothing to chunk
+
+
 def test_search_splits_only_an_idle_gpu_over_long_rows():
     cfg = flashprefill.launch_config
     assert cfg(256, 2048, True, programs=128, sms=132)["SPLIT"] == 5        # one chunk after a 128K prefix
