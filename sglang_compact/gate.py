@@ -34,17 +34,20 @@ rows, save nothing. The smallest context from which the pass is predicted
 faster (by `margin`) for this model's heads and the server's chunk size is
 where the gate opens; `dense_above` likewise prices the layers left after the
 observing layer, dense layers included. The model's coefficients are measured per GPU by
-`scripts/gpu/calibrate_gate.py` and shipped in `data/cost_model.json`. A
-selector whose search nothing calibrated prices (`SelectorSpec.priced_search`
-false: `mass_budget`, `xattention`, `oracle`) gets the fixed fallback context
-and no observed-density fallback.
+`scripts/gpu/calibrate_gate.py` and shipped in `data/cost_model.json`. The search
+term is the FlashPrefill kernel's on mean keys, or on key bounds for a selector
+that reads them (`quest_budget`: two dot products per page tile,
+`CostModel.search_model`). A selector whose search nothing calibrated prices
+(`SelectorSpec.priced_search` false: `mass_budget`, `xattention`, `oracle`; or
+key bounds on a GPU whose model lacks their throughput) gets the fixed
+fallback context and no observed-density fallback.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from importlib import resources
 
 from sglang_compact.batch import cdiv
@@ -101,6 +104,8 @@ class CostModel:
     dense_flops / rows_flops: attention throughput of FlashInfer's paged prefill per kernel ("fa2", "fa3"),
         dense (all heads per request) and in rows (one kv head, G query heads, selected pages);
     search_flops: the FlashPrefill search kernel's throughput on mean keys;
+    bounds_search_flops: its throughput on key bounds (q+ . kmax + q- . kmin: two dot products per page
+        tile); 0: not measured on this GPU, so a selector that reads the bounds is not priced;
     sparse_gpu_s: GPU time per layer the sparse path adds whatever the sizes (index kernel, copies);
     sparse_host_s / dense_host_s: host time to launch one layer of each path (a layer takes at least this);
     margin: the sparse path must be predicted this much faster.
@@ -110,11 +115,21 @@ class CostModel:
     dense_flops: dict = field(default_factory=dict)
     rows_flops: dict = field(default_factory=dict)
     search_flops: float = 0.0
+    bounds_search_flops: float = 0.0
     sparse_gpu_s: float = 0.0
     sparse_host_s: float = 0.0
     dense_host_s: float = 0.0
     margin: float = 0.1
     source: str = ""
+
+    def search_model(self, key_bounds: bool) -> "CostModel | None":
+        """This model priced for a selector's search: as it is for the mean-key search, with the key-bound
+        search's throughput for `key_bounds`; None when that was not measured on this GPU."""
+        if not key_bounds:
+            return self
+        if self.bounds_search_flops <= 0:
+            return None
+        return replace(self, search_flops=self.bounds_search_flops)
 
     def layer_times(self, shape: ModelShape, context: int, chunk: int, density: float, kernel: str,
                     query_stride: int = 1, forced_pages: int = 0,
@@ -242,6 +257,7 @@ class Gate:
         spec = config.spec
         window = config.window_tokens(chunk_size)
         model = cost_model_for(device_name)
+        priced = model.search_model(spec.uses_key_bounds) if model is not None and spec.priced_search else None
         rk = rows_kernel or kernel
         qs = getattr(config.params, "query_stride", 1)
 
@@ -254,9 +270,9 @@ class Gate:
             return SparsePassLayers.of(config, num_layers, observes)
 
         above, above_source = None, ""
-        if config.dense_above is None and model is not None and config.selector != "dense" and spec.priced_search:
+        if config.dense_above is None and priced is not None and config.selector != "dense":
             # the break-even density is what a pass that observes its density (the fallback on) must stay below
-            above = model.break_even_density(shape, kernel, rk, qs, pass_layers(True))
+            above = priced.break_even_density(shape, kernel, rk, qs, pass_layers(True))
             above_source = f"cost model {model.gpu}: {kernel} dense vs {rk} rows"
 
         def gate(decision):
@@ -268,10 +284,12 @@ class Gate:
         if model is None:
             return gate(GateDecision(FALLBACK_MIN_CONTEXT, "fallback", f"no cost model for "
                                      f"{device_name or 'this device'}: min_context {FALLBACK_MIN_CONTEXT}"))
-        if not spec.priced_search:
+        if priced is None:
+            what = "key-bound search (no bounds_search_flops for this GPU)" if spec.priced_search else "search"
             return gate(GateDecision(FALLBACK_MIN_CONTEXT, "fallback", f"the cost model does not price selector "
-                                     f"{config.selector!r}'s search: min_context {FALLBACK_MIN_CONTEXT} "
+                                     f"{config.selector!r}'s {what}: min_context {FALLBACK_MIN_CONTEXT} "
                                      "(--compact-min-context sets another)"))
+        model = priced
         density = spec.expected_density(config.params, num_layers)
         chunk = chunk_size if chunk_size and chunk_size > 0 else 8192
         forced = config.sink_blocks + config.recent_blocks + window // shape.page_size

@@ -247,7 +247,7 @@ def test_the_gate_prices_per_layer_budgets_at_their_mean():
 
 @pytest.mark.parametrize("selector", ["mass_budget", "xattention", "oracle"])
 def test_a_search_the_cost_model_does_not_price_gets_the_fallback_context(selector):
-    """The shipped model prices the FlashPrefill mean-key search only: a selector that reads the keys
+    """The shipped model prices the FlashPrefill search (mean keys, key bounds) only: a selector that reads the keys
     themselves is not predicted to pay anywhere; it opens at the fixed fallback context (or the flag) and has
     no observed-density fallback."""
     shipped = sorted(load_cost_models())[0]
@@ -261,3 +261,31 @@ def test_a_search_the_cost_model_does_not_price_gets_the_fallback_context(select
     # the priced selectors keep the cost model
     assert Gate.for_server(cfg.replace(selector="budget"), SHAPE_8B, 1024, shipped, "fa3", 131072) \
         .decision.source == "cost model"
+
+
+def test_the_key_bound_search_is_priced_at_its_own_throughput():
+    """`quest_budget` reads each page's key max / min (two dot products per page tile): the gate prices its
+    search with `bounds_search_flops`, so it opens later than `budget` at the same density and fallback-reads
+    at a lower density; a model without that throughput gives it the fallback context, and says why."""
+    from unittest import mock
+
+    m = model(search_flops=40e12, bounds_search_flops=18e12)
+    assert m.search_model(False) is m and m.search_model(True).search_flops == 18e12
+    assert model().search_model(True) is None
+    L = 65536
+    assert m.search_model(True).layer_times(SHAPE_8B, L, 1024, 0.3, "fa3")[1] > m.layer_times(SHAPE_8B, L, 1024,
+                                                                                              0.3, "fa3")[1]
+    budget = CompactConfig(block_size=64, selector="budget", selector_params={"density": 0.3})
+    quest = budget.replace(selector="quest_budget")
+    with mock.patch("sglang_compact.gate.cost_model_for", return_value=m):
+        b = Gate.for_server(budget, SHAPE_8B, 1024, "test", "fa3", 131072, "fa3", num_layers=32)
+        q = Gate.for_server(quest, SHAPE_8B, 1024, "test", "fa3", 131072, "fa3", num_layers=32)
+    assert b.decision.source == q.decision.source == "cost model"
+    assert not q.decision.never and q.decision.min_context > b.decision.min_context
+    assert q.dense_above < b.dense_above
+    with mock.patch("sglang_compact.gate.cost_model_for", return_value=model()):
+        unpriced = Gate.for_server(quest, SHAPE_8B, 1024, "test", "fa3", 131072, "fa3", num_layers=32)
+    assert unpriced.decision.min_context == FALLBACK_MIN_CONTEXT and unpriced.decision.source == "fallback"
+    assert "key-bound search" in unpriced.decision.detail and not unpriced.observes_density
+    shipped = load_cost_models()["NVIDIA H200"]
+    assert 0 < shipped.bounds_search_flops < shipped.search_flops

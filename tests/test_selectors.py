@@ -255,7 +255,7 @@ def test_quest_budget_rows_are_fixed_on_the_host():
                                         selector_params={"density": 0.25}))
     sel = ca.select_pages(b, 0)
     assert sel.counts.tolist() == ca.row_pages(b)
-    assert ca.config.spec.fixes_row_lengths and not ca.config.spec.priced_search
+    assert ca.config.spec.fixes_row_lengths and ca.config.spec.priced_search and ca.config.spec.uses_key_bounds
 
 
 @pytest.mark.parametrize("name", ["budget", "mass_budget"])

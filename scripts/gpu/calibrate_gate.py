@@ -14,7 +14,8 @@ Qwen2.5-0.5B: 14/2 heads x 64, page 32):
   whole layer. The rows' throughput per kernel comes from the `budget` points only: `flashprefill` on
   synthetic inputs reads 1-20% of the pages, where the rows' fixed costs, not their throughput, set the
   time (the first calibration fitted fa2 rows from those and put them at 157 TF/s, against ~0.65x dense fa3
-  in the attention benchmark at density 0.3);
+  in the attention benchmark at density 0.3); and `quest_budget` (fa3 rows), whose search on key bounds
+  gives `bounds_search_flops`;
 * host time per layer: back-to-back layers at a size where the GPU work is negligible (what a layer
   costs when launches, not kernels, bound it).
 
@@ -87,7 +88,7 @@ def setup(shape: ModelShape, context: int, chunk: int, sparse: bool, seed: int =
 def layer_fns(shape, context, chunk, selector, kernel):
     """(selection fn, attention fn, whole-layer fn, batch, selection) of one planned sparse pass."""
     b, s = setup(shape, context, chunk, sparse=True)
-    params = {"density": 0.3} if selector == "budget" else {"alpha": 0.4}
+    params = {"density": 0.3} if selector in ("budget", "quest_budget") else {"alpha": 0.4}
     ca = CompactAttention(CompactConfig(block_size=shape.page_size, selector=selector, selector_params=params))
     ex = make_flashinfer_executor(kernel, "cuda", b.num_rows, b.num_rows * b.qblocks.max_pages)
     ex.plan_forward(ForwardShape.of(b, ca.row_pages(b)), b.page_table)
@@ -124,7 +125,7 @@ def main() -> int:
     points = []
     dense_tp = {"fa2": [], "fa3": []}
     rows_tp = {"fa2": [], "fa3": []}
-    search_tp, sparse_fixed = [], []
+    search_tp, bounds_tp, sparse_fixed = [], [], []
     for name, shape in SHAPES.items():
         for chunk in chunks:
             for context in contexts:
@@ -136,7 +137,8 @@ def main() -> int:
                     f = attn_flops(shape, context, chunk)
                     dense_tp[kernel].append(f / (ms * 1e-3))
                     points.append(dict(model=name, path="dense", kernel=kernel, context=context, chunk=chunk, ms=ms))
-                for selector, kernel in (("budget", "fa3"), ("budget", "fa2"), ("flashprefill", "fa2")):
+                for selector, kernel in (("budget", "fa3"), ("budget", "fa2"), ("flashprefill", "fa2"),
+                                         ("quest_budget", "fa3")):
                     select, attend, layer, b, sel = layer_fns(shape, context, chunk, selector, kernel)
                     d = float(sel.density)
                     ms_sel, ms_att, ms_layer = cuda_ms(select, a.reps), cuda_ms(attend, a.reps), cuda_ms(layer, a.reps)
@@ -144,11 +146,11 @@ def main() -> int:
                     if selector == "budget":
                         rows_tp[kernel].append(read / (ms_att * 1e-3))
                     search = 4.0 * chunk * (context / shape.page_size) * shape.num_q_heads * shape.head_dim
-                    search_tp.append(search / (ms_sel * 1e-3))
+                    (bounds_tp if selector == "quest_budget" else search_tp).append(search / (ms_sel * 1e-3))
                     points.append(dict(model=name, path="sparse", selector=selector, kernel=kernel, context=context,
                                        chunk=chunk, density=d, ms_select=ms_sel, ms_attention=ms_att, ms=ms_layer))
                 print(f"{name} chunk {chunk} context {context}: " + ", ".join(
-                    f"{p['path']}/{p.get('selector', '')}/{p['kernel']} {p['ms']:.3f} ms" for p in points[-5:]),
+                    f"{p['path']}/{p.get('selector', '')}/{p['kernel']} {p['ms']:.3f} ms" for p in points[-6:]),
                     flush=True)
     # host time per layer: a small pass (context 4096, chunk 256) where launches bound the layer
     shape = SHAPES["llama-8b"]
@@ -161,6 +163,7 @@ def main() -> int:
     med = lambda xs: statistics.median(xs)  # noqa: E731
     model = CostModel(gpu=gpu, dense_flops={k: med(v) for k, v in dense_tp.items()},
                       rows_flops={k: med(v) for k, v in rows_tp.items()}, search_flops=med(search_tp),
+                      bounds_search_flops=med(bounds_tp),
                       sparse_gpu_s=0.0, sparse_host_s=sparse_host * 1e-3, dense_host_s=dense_host * 1e-3,
                       margin=a.margin, source=f"scripts/gpu/calibrate_gate.py, {datetime.date.today()}")
     # the sparse path's fixed GPU cost: what a GPU-bound layer takes beyond its modelled search and attention
@@ -168,19 +171,22 @@ def main() -> int:
         if p["path"] == "sparse" and p["ms"] * 1e-3 > model.sparse_host_s:
             shape = SHAPES[p["model"]]
             L, C = p["context"] - p["chunk"], p["chunk"]
-            search = 4.0 * C * ((L + C / 2) / shape.page_size) * shape.num_q_heads * shape.head_dim / model.search_flops
+            flops = model.bounds_search_flops if p["selector"] == "quest_budget" else model.search_flops
+            search = 4.0 * C * ((L + C / 2) / shape.page_size) * shape.num_q_heads * shape.head_dim / flops
             attention = attn_flops(shape, p["context"], C, p["density"]) / model.rows_flops[p["kernel"]]
             sparse_fixed.append(max(0.0, p["ms"] * 1e-3 - search - attention))
     model = CostModel(**{**model.__dict__, "sparse_gpu_s": statistics.median(sparse_fixed) if sparse_fixed else 0.0})
     print(f"\n{gpu}: dense TF/s {({k: round(v / 1e12) for k, v in model.dense_flops.items()})}, rows TF/s "
-          f"{({k: round(v / 1e12) for k, v in model.rows_flops.items()})}, search TF/s {model.search_flops / 1e12:.0f}, "
+          f"{({k: round(v / 1e12) for k, v in model.rows_flops.items()})}, search TF/s {model.search_flops / 1e12:.0f} "
+          f"(key bounds {model.bounds_search_flops / 1e12:.0f}), "
           f"host per layer: dense {dense_host:.3f} ms, sparse {sparse_host:.3f} ms")
     print("| model | path | kernel | context | chunk | density | measured ms | predicted ms |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for p in points:
         shape = SHAPES[p["model"]]
-        dense, sparse = model.layer_times(shape, p["context"] - p["chunk"], p["chunk"], p.get("density", 1.0),
-                                          p["kernel"])
+        priced = model.search_model(p.get("selector") == "quest_budget")
+        dense, sparse = priced.layer_times(shape, p["context"] - p["chunk"], p["chunk"], p.get("density", 1.0),
+                                           p["kernel"])
         p["predicted_ms"] = 1e3 * (dense if p["path"] == "dense" else sparse)
         print(f"| {p['model']} | {p['path']}/{p.get('selector', '')} | {p['kernel']} | {p['context']} | {p['chunk']} | "
               f"{p.get('density', 1.0):.2f} | {p['ms']:.3f} | {p['predicted_ms']:.3f} |")

@@ -16,8 +16,9 @@ O(context pages) per layer, as `budget`'s does, with two dot products per page t
 Why: on Qwen2.5-Coder-0.5B (chunk 1024, page 32) mean-key ranking (`budget`) loses 5 points at 32K at a third
 of the pages; this ranking at density 0.33 was within the interval of dense at 32K (+1.2 [-2.8, +5.3]) and
 16K (-1.7 [-5.8, +2.3]) on the H200 (docs/results/accuracy_notes.md, session 20; measured with float32
-bounds from the pool's keys, before this search read them from the summaries). The cost model does not
-price its search yet (`priced_search=False`): the gate uses a fixed context threshold.
+bounds from the pool's keys; session 21 served them from the summaries through the kernel and got the same
+250 predictions). The cost gate prices its search with the key-bound kernel's throughput
+(`CostModel.bounds_search_flops`, about half the mean-key search's on the H200).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ class QuestBudgetParams(RowBudgetParams):
 
 
 @register_selector("quest_budget", params=QuestBudgetParams, fixes_row_lengths=True, uses_key_bounds=True,
-                   priced_search=False, expected_density=expected_density)
+                   expected_density=expected_density)
 class QuestBudgetSelector(BudgetSelector):
     """A fixed fraction of each row's pages, highest Quest channel bound (per-page key max / min) first."""
 
