@@ -47,7 +47,11 @@ def store_kv(k_pool: torch.Tensor, v_pool: torch.Tensor, loc: torch.Tensor, k: t
     key_sum[p] = (k_pool[p].to(torch.float32) * upto).sum(dim=2)
     count[p] = (o + 1).to(count.dtype)
     if key_max is not None:
-        keys = k_pool[p]                                                                  # [n, H, P, D]
-        inf = torch.tensor(float("inf"), dtype=keys.dtype, device=keys.device)
-        key_max[p] = torch.where(upto, keys, -inf).amax(dim=2).to(key_max.dtype)
-        key_min[p] = torch.where(upto, keys, inf).amin(dim=2).to(key_min.dtype)
+        key_max[p], key_min[p] = page_key_bounds(k_pool[p], upto)
+
+
+def page_key_bounds(keys: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Channel-wise max and min of pages' keys [n, H, P, D] over the offsets where `valid` ([n, 1, P, 1]) holds,
+    in the keys' dtype (exact)."""
+    inf = torch.tensor(float("inf"), dtype=keys.dtype, device=keys.device)
+    return torch.where(valid, keys, -inf).amax(dim=2), torch.where(valid, keys, inf).amin(dim=2)

@@ -63,9 +63,8 @@ class LayerSummaries:
             key_sum[pages] = (k_pool[pages].to(torch.float32) * valid[:, None, :, None]).sum(dim=2)
             count[pages] = filled.to(torch.int32)
             if key_bounds:
-                keys, inf = k_pool[pages], torch.tensor(float("inf"), dtype=k_pool.dtype, device=k_pool.device)
-                key_max[pages] = torch.where(valid[:, None, :, None], keys, -inf).amax(dim=2)
-                key_min[pages] = torch.where(valid[:, None, :, None], keys, inf).amin(dim=2)
+                key_max[pages], key_min[pages] = kv_cache_naive.page_key_bounds(k_pool[pages],
+                                                                                valid[:, None, :, None])
         return cls(key_sum, count, key_max, key_min)
 
 
