@@ -258,3 +258,22 @@ def test_accuracy_rows_carry_the_seed_of_their_prompts():
     assert accuracy_rows([dict(rec, seed=1), dict(rec, seed=1)], **kw)[0]["seed"] == 1
     with pytest.raises(ValueError, match="several seeds"):
         accuracy_rows([dict(rec, seed=1), dict(rec, seed=2)], **kw)
+
+
+def test_dense_of_the_same_chunk_size_is_the_reference():
+    """A method run at chunk 8192 is compared with dense at chunk 8192 when there is one, and a later dense run
+    at chunk 8192 does not become the reference of the chunk-1024 rows (session 22: it had, moving every 32K
+    difference by 0.1-0.3 points); with no dense row of its chunk size, the latest dense row of the same prompts."""
+    def row(method, acc, chunk, n=50, params=None):
+        return dict(model="m", task="a", length=32512, method=method, params={"chunk": chunk, **(params or {})},
+                    n=n, accuracy=acc, density=None if method == "dense" else 0.34, date="2026-12-03",
+                    device="h200")
+
+    q = {"density": 0.33}
+    rows = [row("dense", 68.0, 1024), row("compact-quest_budget", 70.0, 1024, params=q),
+            row("compact-quest_budget", 60.0, 2048, params=q),
+            row("dense", 66.0, 8192), row("compact-quest_budget", 76.0, 8192, params=q)]
+    by = {(c.method, c.params): c for c in R.compare_to_dense(rows)[0]}
+    assert by[("compact-quest_budget", "chunk=1024, density=0.33")].dense_avg == 68.0
+    assert by[("compact-quest_budget", "chunk=8192, density=0.33")].dense_avg == 66.0
+    assert by[("compact-quest_budget", "chunk=2048, density=0.33")].dense_avg == 66.0   # none at 2048: the latest

@@ -90,6 +90,10 @@ class Comparison:
         return self.avg - self.dense_avg
 
 
+def _chunk(r: dict[str, Any]) -> Any:
+    return (r.get("params") or {}).get("chunk")
+
+
 def _runner(r: dict[str, Any]) -> str:
     return (r.get("params") or {}).get("runner", "server")
 
@@ -101,26 +105,29 @@ def compare_to_dense(rows: list[dict[str, Any]], min_n: int = MIN_N, chance: flo
     The reference for a method's row is the latest dense row of the same model, length, device and task, from
     the same runner when there is one (the HF runner's dense for HF rows) else the server's, and with the same
     `n` when there is one: runs of one seed share their first prompts, so equal `n` means the same prompts; and
-    always of the same seed (`seed`, absent for 0).
+    always of the same seed (`seed`, absent for 0). Among those, a dense row of the same chunk size
+    (`params["chunk"]`) comes first: another chunk size is the same attention, but not the same kernels' rounding.
     Rows with `n < min_n` are left out. Returns the comparisons and, per (model, length, device), the tasks
     left out because the dense reference is near chance there (below `chance` percent)."""
     dense: dict[tuple, dict] = {}
     for r in rows:
         if r["method"] == "dense" and r["n"] >= min_n:
             base = (r["model"], int(r["length"]), r["device"], _runner(r), r["task"], _seed(r))
-            dense[base + (r["n"],)] = r
-            dense[base + (None,)] = r
+            for chunk in (_chunk(r), None):
+                dense[base + (chunk, r["n"])] = r
+                dense[base + (chunk, None)] = r
     near_chance: dict[tuple, list[str]] = {}
     for key, r in dense.items():
-        if key[-1] is None and r["accuracy"] < chance:
+        if key[-2:] == (None, None) and r["accuracy"] < chance:
             near_chance.setdefault(key[:3], []).append(r["task"])
 
     def reference(r: dict[str, Any]) -> dict | None:
         for runner in dict.fromkeys((_runner(r), "server")):
             base = (r["model"], int(r["length"]), r["device"], runner, r["task"], _seed(r))
-            ref = dense.get(base + (r["n"],)) or dense.get(base + (None,))
-            if ref is not None:
-                return ref
+            for tail in ((_chunk(r), r["n"]), (None, r["n"]), (_chunk(r), None), (None, None)):
+                ref = dense.get(base + tail)
+                if ref is not None:
+                    return ref
         return None
 
     out = []
