@@ -451,3 +451,55 @@ def test_main_start_failures(acc, model_dir, tmp_path, monkeypatch, capsys):
     finally:
         for srv in stubs:
             srv.shutdown()
+
+
+def test_hf_child_starts_after_the_servers_are_up(acc, model_dir, tmp_path, monkeypatch):
+    """SGLang sizes a server's KV pool from the free memory it measures around its weight loading: the HF child
+    (its model, its 32K prefills) must not start before every server is up, or it takes that memory from under
+    them (H200, 2026-12-03: both servers died of memory at start)."""
+    launched = []
+
+    class SlowServer:
+        def __init__(self, run, a, log_dir, port):
+            srv, _ = _stub_server()
+            self.srv, self.base_url = srv, f"http://127.0.0.1:{srv.server_port}"
+            self.command, self.log_path = ["fake", run.spec], log_dir / f"server-{run.label}.log"
+            self.start_timeout, self.startup_seconds, self.up = 0.0, None, False
+
+        def start(self):
+            time.sleep(0.5)
+            self.up, self.startup_seconds = True, 0.5
+
+        def stop(self):
+            self.srv.shutdown()
+
+    servers = []
+
+    def make(*args):
+        servers.append(SlowServer(*args))
+        return servers[-1]
+
+    class FakeChild:
+        pid = 4242
+
+        def __init__(self, cmd, **kw):
+            launched.append((cmd, [s.up for s in servers]))
+
+        def wait(self, timeout=None):
+            return 0
+
+        def poll(self):
+            return 0
+
+    monkeypatch.setattr(acc, "make_server", make)
+    monkeypatch.setattr(acc.subprocess, "Popen", FakeChild)
+    monkeypatch.setattr(acc.R, "render_plot", lambda rows, path: False)
+    out = tmp_path / "out"
+    rc = acc.main(["--out", str(out), "--model-dir", str(model_dir), "--methods", "dense", "compact:flashprefill",
+                   "--hf-methods", "quoka", "--tasks", "vt", "--lengths", "1024", "--n", "1", "--deadline-s", "120",
+                   "--stagger-s", "0"])
+    assert rc == 0
+    assert len(launched) == 1 and "--hf-worker" in launched[0][0]
+    assert launched[0][1] == [True, True]     # every server was up when the child was launched
+    summary = json.loads((out / "accuracy_h200_summary.json").read_text())
+    assert summary["hf"]["error"] == "no status written (see logs/hf-worker.log)"   # the fake child wrote none

@@ -20,7 +20,8 @@ greedy, `/flush_cache` before every prompt, density from the server's
 HF methods (`--hf-methods`, e.g. quoka, blocksparse:flashprefill:alpha=0.4) run
 in-process with HF transformers (`harness.eval.hf_runner`) on the GPU,
 in a child process of this script, alongside the servers, on the first
-`--hf-n` prompts of each cell.
+`--hf-n` prompts of each cell. The child starts once the servers are up (or
+given up on), so that its memory does not move under their KV-pool sizing.
 
 Schedule: cells (length, task) in a fixed order, lengths outer, or the
 `--cells LENGTH/TASK ...` given, in their order. Every server
@@ -637,15 +638,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     old_handlers = {s: signal.signal(s, _on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     log = lambda msg: print(msg, flush=True)  # noqa: E731
     try:
-        if hf_runs:
-            (out / "hf_status.json").unlink(missing_ok=True)  # none from an earlier run in this folder
+        (out / "hf_status.json").unlink(missing_ok=True)  # none from an earlier run in this folder
+
+        def start_hf_child():
             hf_log = open(log_dir / "hf-worker.log", "w")
             cmd = hf_cmd + ["--deadline-at", f"{time.time() + (work_deadline - time.monotonic()):.2f}"]
             hf_log.write("$ " + shlex.join(cmd) + "\n")
             hf_log.flush()
-            hf_proc = subprocess.Popen(cmd, cwd=str(REPO), stdout=hf_log, stderr=subprocess.STDOUT,
-                                       stdin=subprocess.DEVNULL, start_new_session=True)
-            log(f"HF child started (pid {hf_proc.pid}; log {log_dir / 'hf-worker.log'})")
+            proc = subprocess.Popen(cmd, cwd=str(REPO), stdout=hf_log, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL, start_new_session=True)
+            log(f"[{time.monotonic() - t0:5.0f}s] HF child started (pid {proc.pid}; log {log_dir / 'hf-worker.log'})")
+            return proc, hf_log
 
         status_lock = threading.Lock()
 
@@ -716,6 +719,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 log(f"[{time.monotonic() - t0:5.0f}s] {r.spec}: {r.error}; stopped")
                 r.server.stop()
         starter.shutdown(wait=False)
+        # the HF child starts once the servers have sized their KV pools: SGLang sizes a pool from the free memory
+        # it measures before and after loading its weights, and an HF model loading (or a 32K prefill running) in
+        # between left the servers no pool at all (H200, 2026-12-03: both died of memory at start, 169 s lost)
+        if hf_runs:
+            hf_proc, hf_log = start_hf_child()
         up = [r for r in server_runs if r.status == "up"]
         summary["servers"] = servers_summary(server_runs)
         summary_path.write_text(json.dumps(summary, indent=1) + "\n")
