@@ -3,7 +3,8 @@
 calls into /tmp there, join and check there.
 
     # here: pieces named NAME.000, NAME.001, ... of at most SIZE bytes, and NAME.sha256
-    python3 scripts/gpu/pieces.py split FILE --name NAME --size 59000000 --out .pieces/NAME
+    # (52 MB leaves room for the tracked tree, which travels with every call, under the 64 MiB upload limit)
+    python3 scripts/gpu/pieces.py split FILE --name NAME --size 52000000 --out .pieces/NAME
     # there, in each call: collect what this call carried
     python3 scripts/gpu/pieces.py collect .pieces --into /tmp/pieces
     # there, once all are in: concatenate in order, check the sha256 (and zstd-decompress with --unzstd)
