@@ -42,8 +42,11 @@ from serving import NEAR_TIE, ServerError, SGLangServer, assert_same_tokens, gre
 PAGE, CHUNK, POOL, NEW = 16, 128, 1536, 8
 CHECKED = (460, 480, 500)         # P1-P3: with their outputs, 93 of the pool's 96 pages
 PRESSURE = (480,)
-ABORTED = (1400, 1400)            # 10 s of prefill each here, or more: the client leaves after 1 s, and SGLang
-#                                   notices a plain request's client is gone within 4 s
+ABORTED = (1400, 1400)            # seconds of prefill each on these 2 cores: the client leaves after 1 s, and
+#                                   SGLang notices a plain request's client is gone at its 4 s disconnect poll
+ABORTED_NEW = 120                 # and then decode to fill the pool (1400 + 120 of 1536 tokens), so that a fast
+#                                   machine's request is still running at that poll (a 1400-token prefill alone took
+#                                   under 4 s on one CI machine: no disconnect, the abort untested)
 DEFAULT_ARGS = ["--compact-min-context", "256", "--compact-dense-tail", "64"]
 #: the log line SGLang writes for a client that went away (expected once per aborted request, at most)
 DISCONNECT = "Request is disconnected from the client side"
@@ -65,9 +68,10 @@ def greedy(srv, ids):
 
 
 def abort_mid_prefill(srv, ids, stream: bool, after_s: float = 1.0) -> None:
-    """Send a request and close the connection before its prefill (several seconds here) is done."""
+    """Send a request and close the connection before it is done (its prefill takes seconds here)."""
     conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=60)
-    body = {"input_ids": ids, "sampling_params": {"temperature": 0, "max_new_tokens": NEW}, "stream": stream}
+    body = {"input_ids": ids, "sampling_params": {"temperature": 0, "max_new_tokens": ABORTED_NEW, "ignore_eos": True},
+            "stream": stream}
     conn.request("POST", "/generate", body=json.dumps(body), headers={"Content-Type": "application/json"})
     time.sleep(after_s)
     conn.sock.shutdown(socket.SHUT_RDWR)
