@@ -120,6 +120,16 @@ def test_density_from_metrics_text():
     ])
     assert parse_histogram_counters(text + "\n" + recall, "sglang:compact_recall_forward") == (1.7, 2.0)
     assert parse_histogram_counters(text, "sglang:compact_recall_forward") is None
+    from harness.eval.client import parse_prompt_pages
+    pages = "\n".join([
+        'sglang:compact_prompt_pages_total{model_name="m",tp_rank="0"} 200.0',
+        'sglang:compact_prompt_pages_created{model_name="m",tp_rank="0"} 1.7e9',
+        'sglang:compact_prompt_pages_read_total{model_name="m",tp_rank="0"} 80.0',
+        'sglang:compact_prompt_pages_read_created{model_name="m",tp_rank="0"} 1.7e9',
+    ])
+    assert parse_prompt_pages(text + "\n" + pages) == (80.0, 200.0)
+    assert mean_between((20.0, 100.0), (80.0, 200.0)) == pytest.approx(0.6)   # the passes in between
+    assert parse_prompt_pages(text) is None
 
 
 def _files(root: Path) -> set[Path]:

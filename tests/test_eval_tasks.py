@@ -260,6 +260,15 @@ def test_accuracy_rows_carry_the_seed_of_their_prompts():
         accuracy_rows([dict(rec, seed=1), dict(rec, seed=2)], **kw)
 
 
+def test_accuracy_rows_carry_the_page_weighted_prompt_density():
+    from harness.eval.rows import accuracy_rows
+    rec = dict(task="a", length=4096, score=1.0, all_found=1, seconds=0.1, num_tokens=4000)
+    kw = dict(model="m", method="compact", params={}, device="h200", tasks=["a"], lengths=[4096])
+    assert "prompt_density" not in accuracy_rows([rec], **kw)[0]     # servers without the counters
+    recs = [dict(rec, server_prompt_density=0.5), dict(rec, server_prompt_density=0.7), rec]
+    assert accuracy_rows(recs, **kw)[0]["prompt_density"] == pytest.approx(0.6)
+
+
 def test_dense_of_the_same_chunk_size_is_the_reference():
     """A method run at chunk 8192 is compared with dense at chunk 8192 when there is one, and a later dense run
     at chunk 8192 does not become the reference of the chunk-1024 rows (session 22: it had, moving every 32K

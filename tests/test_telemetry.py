@@ -111,6 +111,30 @@ def test_layers_that_read_every_page_count_in_the_pass_density():
     assert t.flush()["per_layer"] == {1: pytest.approx(0.5)}
 
 
+def test_prompt_pages_weigh_every_window_by_its_context():
+    """`context_pages` (all the pass's windows) and `read_pages`: the windows of the pass's density read that
+    share of their pages, the dense ones (context below the gate, the dense tail, turned dense) all of theirs;
+    a dense pass reads everything. These feed the page-weighted `sglang:compact_prompt_pages*` counters."""
+    metrics = RecordingMetrics()
+    t = CompactTelemetry(num_layers=2, metrics=metrics)
+    t.begin_forward([4096, 0], [1024, 512], {"sparse": 32, "dense_context": 16}, 1024, pages=(160, 0),
+                    context_pages=176)
+    t.record(0, d(0.25))
+    t.record(1, d(0.35))
+    s = t.flush()
+    assert s["context_pages"] == 176 and s["read_pages"] == pytest.approx(0.3 * 160 + 16)
+    t.begin_forward([4096], [1024], {"sparse": 32}, 1024, pages=(160, 0), context_pages=160)
+    t.update_paths({"sparse": 8, "dense_density": 24}, 256, pages=(120, 40))
+    t.record(0, d(0.2))
+    t.record(1, d(0.2))
+    s = t.flush()    # turned-dense windows are in the pass's density already (0.4 = (0.2 * 120 + 40) / 160)
+    assert s["read_pages"] == pytest.approx(0.4 * 160)
+    t.begin_forward([8192], [1024], {"dense_tail": 32}, 0, context_pages=288)
+    s = t.flush()
+    assert s["density"] is None and s["context_pages"] == s["read_pages"] == 288
+    assert [m["context_pages"] for m in metrics.summaries] == [176, 160, 288]
+
+
 def test_recall_is_summarised_with_the_pass_that_measured_it():
     metrics = RecordingMetrics()
     t = CompactTelemetry(num_layers=2, metrics=metrics)
@@ -227,6 +251,15 @@ def test_metrics_endpoint_of_a_compact_server():
     for layer in range(num_layers):
         assert 0 < samples[("sglang:compact_density", (("layer", str(layer)),))] <= 1
     assert samples[("sglang:compact_density_forward_count", ())] == passes
+    # page-weighted over every extend pass: chunk k's window reads pages 0..8k+7 (the last chunk 0..49); the
+    # dense windows (chunks 0-1 below the gate, 5-6 in the tail: 8 + 16 + 48 + 50 pages) read all of theirs,
+    # the sparse ones (24, 32, 40 pages) each its pass's density of theirs: between 24 and 40 times the sum
+    # of the three passes' densities
+    total = samples[("sglang:compact_prompt_pages_total", ())]
+    read = samples[("sglang:compact_prompt_pages_read_total", ())] - 122
+    assert total == 8 + 16 + 24 + 32 + 40 + 48 + 50
+    dsum = samples[("sglang:compact_density_forward_sum", ())]
+    assert 24 * dsum - 1e-6 <= read <= 40 * dsum + 1e-6 and read < 96, (read, dsum)
     # every sparse pass measured one layer's mass recall (the share of attention its capped selection reads)
     recall, recall_min = samples[("sglang:compact_recall", ())], samples[("sglang:compact_recall_min", ())]
     assert 0 < recall_min <= recall + 1e-6 and recall <= 1 + 1e-5, (recall_min, recall)  # float32 sums
@@ -268,3 +301,40 @@ def test_windows_that_select_densely_turn_dense_for_the_pass():
     assert samples[("sglang:compact_density_forward_count", ())] == passes
     assert samples[("sglang:compact_density_forward_sum", ())] == passes * 1.0
     assert samples[("sglang:compact_gate_dense_above", ())] == 0.0
+
+
+@pytest.mark.server
+@needs_prometheus
+def test_budget_density_replay_is_what_the_server_reports():
+    """`scripts/budget_density.py` replays a fixed-budget selector's page counts on the host; a CPU server running
+    that selector on one prompt reports the same two densities on `/metrics`: the mean over its sparse passes
+    (`compact_density_forward`) and the page-weighted one over every pass (`compact_prompt_pages*`)."""
+    from budget_density import prompt_densities
+    from convert_smollm2 import convert
+
+    from sglang_compact.config import CompactConfig
+
+    model = convert(MODEL_DIR, "float32", quiet=True)
+    rng = random.Random(11)
+    ids = [rng.randrange(200, 40000) for _ in range(1000)]
+    params = {"density": 0.3, "min_pages": 12}
+    config = CompactConfig(block_size=16, selector="quest_budget", selector_params=params, min_context=256,
+                           dense_tail=100, sink_blocks=2, recent_blocks=4)
+    replay = prompt_densities(config, len(ids), 128)
+    args = ["--attention-backend", "compact", "--compact-selector", "quest_budget", "--compact-selector-params",
+            '{"density": 0.3, "min_pages": 12}', "--compact-min-context", "256", "--compact-dense-tail", "100",
+            "--enable-metrics"]
+    with SGLangServer(model, module="sglang_compact.launch_server", page_size=16, chunked_prefill_size=128,
+                      extra_args=args) as srv:
+        before = parse_metrics(srv.get_text("/metrics"))
+        srv.generate(input_ids=ids, max_new_tokens=1)
+        samples = parse_metrics(srv.get_text("/metrics"))
+    for key, value in before.items():
+        samples[key] = samples.get(key, 0) - value if key[0].endswith(("_total", "_sum", "_count")) else samples[key]
+    count = samples[("sglang:compact_density_forward_count", ())]
+    assert count == replay["sparse_passes"] > 0 and replay["passes"] == 8
+    assert samples[("sglang:compact_density_forward_sum", ())] / count == pytest.approx(replay["per_pass"], abs=1e-6)
+    page_weighted = (samples[("sglang:compact_prompt_pages_read_total", ())]
+                     / samples[("sglang:compact_prompt_pages_total", ())])
+    assert page_weighted == pytest.approx(replay["page_weighted"], abs=1e-6)
+    assert replay["per_pass"] < 1 and replay["page_weighted"] < 1

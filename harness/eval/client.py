@@ -47,21 +47,37 @@ class Client:
         return self.compact_counters()["density"]
 
     def compact_counters(self) -> dict[str, tuple[float, float] | None]:
-        """From one `/metrics` read: `density` (as `density_counters`) and `recall`, (sum, count) of
+        """From one `/metrics` read: `density` (as `density_counters`), `recall`, (sum, count) of
         `sglang:compact_recall_forward` (one observation per pass that measured its selection's mass recall,
-        `--compact-recall-every`); None where the server exposes none."""
+        `--compact-recall-every`), and `prompt_pages`, (pages read, context pages) of every window of every
+        extend pass (`sglang:compact_prompt_pages_read_total` / `..._pages_total`); None where the server exposes
+        none."""
         try:
             text = self.metrics_text()
         except (urllib.error.URLError, OSError):
             text = ""
         return {"density": parse_density_counters(text) if text else None,
-                "recall": parse_histogram_counters(text, "sglang:compact_recall_forward") if text else None}
+                "recall": parse_histogram_counters(text, "sglang:compact_recall_forward") if text else None,
+                "prompt_pages": parse_prompt_pages(text) if text else None}
 
 
 def parse_density_counters(text: str) -> tuple[float, float] | None:
     """(sum, count) of `sglang:compact_density_forward` over its series. Servers from before the per-window
     design labelled it by `stage`: only their `stage="after_group"` series (post-union density) is read."""
     return parse_histogram_counters(text, "sglang:compact_density_forward")
+
+
+def parse_prompt_pages(text: str) -> tuple[float, float] | None:
+    """(pages read, context pages) summed over the series of `sglang:compact_prompt_pages_read_total` and
+    `sglang:compact_prompt_pages_total`; None when the page has neither (a server without them)."""
+    sums: dict[str, float] = {}
+    for line in text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in ("sglang:compact_prompt_pages_read_total", "sglang:compact_prompt_pages_total"):
+            sums[name] = sums.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    if "sglang:compact_prompt_pages_total" not in sums:
+        return None
+    return sums.get("sglang:compact_prompt_pages_read_total", 0.0), sums["sglang:compact_prompt_pages_total"]
 
 
 def parse_histogram_counters(text: str, name: str) -> tuple[float, float] | None:
@@ -82,7 +98,8 @@ def parse_histogram_counters(text: str, name: str) -> tuple[float, float] | None
 
 
 def mean_between(before: tuple[float, float] | None, after: tuple[float, float] | None) -> float | None:
-    """Mean density (or recall) of the forward passes observed between two (sum, count) snapshots."""
+    """Mean density (or recall) of the forward passes observed between two (sum, count) snapshots; with
+    `prompt_pages` snapshots (read, total), the page-weighted density of the passes in between."""
     if after is None:
         return None
     b = before or (0.0, 0.0)

@@ -53,6 +53,9 @@ def accuracy_rows(recs: list[dict[str, Any]], *, model: str, method: str, params
                 if len(seeds) > 1:
                     raise ValueError(f"{t} at {L}: records of several seeds {sorted(seeds)} in one row")
                 rows[-1]["seed"] = seeds.pop()
+            prompt = [r["server_prompt_density"] for r in rs if r.get("server_prompt_density") is not None]
+            if prompt:    # page-weighted over every chunk of the prompts (`run_samples`)
+                rows[-1]["prompt_density"] = round(sum(prompt) / len(prompt), 4)
             recalls = [r["server_recall"] for r in rs if r.get("server_recall") is not None]
             if recalls:   # servers run with --compact-recall-every: the mass their selections read
                 rows[-1]["recall"] = round(sum(recalls) / len(recalls), 4)

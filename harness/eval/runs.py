@@ -14,7 +14,9 @@ from harness.eval.tasks import Sample, load_tokenizer
 
 def run_samples(client: Client, samples: list[Sample], desc: str, flush: bool = True,
                 log_file=None, progress: bool = True, stop=None) -> list[dict[str, Any]]:
-    """Greedy generation for every sample; each record has `server_density` (None when not exposed) and, from
+    """Greedy generation for every sample; each record has `server_density` (None when not exposed: the mean
+    over the prompt's sparse forward passes), from compact servers with metrics `server_prompt_density` (pages
+    read over context pages of all its extend passes, dense ones included: what its attention cost) and, from
     servers measuring it (`--compact-recall-every`), `server_recall`: the mean mass recall of its measured passes.
 
     `stop`: a callable checked before each sample; when it returns True the records so far are returned
@@ -41,6 +43,9 @@ def run_samples(client: Client, samples: list[Sample], desc: str, flush: bool = 
             recall = mean_between(before["recall"], after["recall"])
             if recall is not None:
                 rec["server_recall"] = recall
+            prompt_density = mean_between(before.get("prompt_pages"), after.get("prompt_pages"))
+            if prompt_density is not None:
+                rec["server_prompt_density"] = prompt_density
             _keep(out, rec, log_file, bar, s, dt)
     finally:
         bar.close()

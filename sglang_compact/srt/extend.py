@@ -85,7 +85,8 @@ class ExtendPlanner:
             if first_read_all else template
         rt.executor.plan_forward(ForwardShape.of(shape_of, None if first_read_all else row_pages), page_table)
         if rt.telemetry.wants_stats():
-            rt.telemetry.begin_forward(prefix, chunk, *self._pass_paths(qb, gated))
+            rt.telemetry.begin_forward(prefix, chunk, *self._pass_paths(qb, gated),
+                                       context_pages=sum(a + 1 for a in qb.w_last))
         return ExtendMetadata(template, qb.any_sparse, self._recall_target() if qb.any_sparse else None, observe,
                               first_read_all=first_read_all, executor_dense=bool(first_read_all))
 

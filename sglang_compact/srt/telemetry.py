@@ -30,6 +30,12 @@ Series (labels: SGLang's `model_name`, `tp_rank`, plus those below):
                                             `dense_density` (its window's selection read more than the gate's
                                             dense_above at the pass's observing layer)
   sglang:compact_tokens_total               counter, tokens of sparse q-blocks
+  sglang:compact_prompt_pages_total         counter, context pages (per kv head) of every window of every extend
+                                            pass, sparse or dense: the pages dense attention would read
+  sglang:compact_prompt_pages_read_total    counter, the pages those windows read (mean over layers; a dense
+                                            window reads all of its): read / total between two scrapes is the
+                                            prompts' page-weighted density, every chunk and the dense tail
+                                            counted (each pass weighs by its context, as its attention costs)
   sglang:compact_gate_min_context           gauge, context (tokens) from which q-blocks go sparse; -1: never
   sglang:compact_gate_dense_above           gauge, density above which a sparse window reads every page (1: never)
   sglang:compact_recall                     gauge, latest measured pass (`--compact-recall-every`): mean over its
@@ -75,6 +81,10 @@ class CompactMetrics:
         qblocks = Counter("sglang:compact_qblocks", "Chunk q-blocks (the chunk's tokens in one page) by path.",
                           labelnames=names + ["path"], **kw)
         tokens = Counter("sglang:compact_tokens", "Tokens of sparse q-blocks.", labelnames=names, **kw)
+        prompt_pages = Counter("sglang:compact_prompt_pages", "Context pages (per kv head) of every window of every "
+                               "extend pass.", labelnames=names, **kw)
+        prompt_read = Counter("sglang:compact_prompt_pages_read", "Pages the windows of every extend pass read "
+                              "(mean over layers; dense windows read all of theirs).", labelnames=names, **kw)
         recall = Gauge("sglang:compact_recall", "Attention mass the selection reads (mean over the sparse windows "
                        "of the latest measured pass; --compact-recall-every).", labelnames=names,
                        multiprocess_mode="mostrecent", **kw)
@@ -94,6 +104,8 @@ class CompactMetrics:
         self._passes = passes.labels(**self.labels)
         self._qblocks = {p: qblocks.labels(**self.labels, path=p) for p in PATHS}
         self._tokens = tokens.labels(**self.labels)
+        self._prompt_pages = prompt_pages.labels(**self.labels)
+        self._prompt_read = prompt_read.labels(**self.labels)
         self._recall = recall.labels(**self.labels)
         self._recall_min = recall_min.labels(**self.labels)
         self._recall_forward = recall_forward.labels(**self.labels)
@@ -104,6 +116,9 @@ class CompactMetrics:
         for path, n in summary["qblocks"].items():
             if n:
                 self._qblocks[path].inc(n)
+        if summary["context_pages"]:
+            self._prompt_pages.inc(summary["context_pages"])
+            self._prompt_read.inc(summary["read_pages"])
         if summary["density"] is None:
             return
         for layer, value in summary["per_layer"].items():
@@ -149,13 +164,14 @@ class CompactTelemetry:
         return self.metrics is not None or logger.isEnabledFor(logging.DEBUG)
 
     def begin_forward(self, prefix_lens, chunk_lens, qblock_paths: dict[str, int], sparse_tokens: int,
-                      pages: tuple[int, int] = (0, 0)) -> None:
+                      pages: tuple[int, int] = (0, 0), context_pages: int = 0) -> None:
         """A new extend pass: flushes the previous one. `qblock_paths`: q-blocks per path (see PATHS); `pages`:
-        context pages (per kv head) of its sparse windows and of those that turned dense by their density."""
+        context pages (per kv head) of its sparse windows and of those that turned dense by their density;
+        `context_pages`: of all its windows (pages 0..last of each, per kv head), the dense ones included."""
         self.flush()
         self._pass = dict(prefix_lens=list(prefix_lens), chunk_lens=list(chunk_lens),
                           qblocks={p: int(qblock_paths.get(p, 0)) for p in PATHS}, sparse_tokens=int(sparse_tokens),
-                          pages=tuple(pages))
+                          pages=tuple(pages), context_pages=int(context_pages))
 
     def update_paths(self, qblock_paths: dict[str, int], sparse_tokens: int, pages: tuple[int, int] = (0, 0)) -> None:
         """The current pass's paths after windows turned dense at its observing layer."""
@@ -204,8 +220,13 @@ class CompactTelemetry:
                          for i, x in per_layer.items()} if sparse_pages else dict.fromkeys(range(self.num_layers), 1.0)
         if per_layer:
             per_layer = dict(sorted({**per_layer, **dict.fromkeys(read_all, 1.0)}.items()))
-        summary = dict(p, per_layer=per_layer, density=sum(per_layer.values()) / len(per_layer) if per_layer else None,
-                       coverage=min(values[len(layers):], default=1.0), recall=recall_mean, recall_min=recall_min)
+        density = sum(per_layer.values()) / len(per_layer) if per_layer else None
+        total = p.get("context_pages", 0)
+        selecting = min(sparse_pages + dense_pages, total) if density is not None else 0
+        summary = dict(p, per_layer=per_layer, density=density, coverage=min(values[len(layers):], default=1.0),
+                       recall=recall_mean, recall_min=recall_min, context_pages=total,
+                       # the windows of the pass's density read that share of theirs, the others all of theirs
+                       read_pages=(density or 0.0) * selecting + (total - selecting))
         if summary["density"] is not None:
             self.totals["forward_passes"] += 1
             self.totals["sparse_tokens"] += p["sparse_tokens"]
