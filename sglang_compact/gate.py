@@ -133,14 +133,14 @@ class CostModel:
 
     def layer_times(self, shape: ModelShape, context: int, chunk: int, density: float, kernel: str,
                     query_stride: int = 1, forced_pages: int = 0,
-                    rows_kernel: str | None = None, search: bool = True) -> tuple[float, float]:
+                    rows_kernel: str | None = None, search: bool = True, min_pages: int = 0) -> tuple[float, float]:
         """(dense, sparse) seconds of one layer for a chunk of `chunk` tokens after `context` tokens; `kernel` runs
         the dense attention, `rows_kernel` (default: the same) the sparse rows; `search=False`: rows that read
-        without selecting (a read-all layer)."""
+        without selecting (a read-all layer); `min_pages`: the rows' page floor (a fixed budget's `min_pages`)."""
         H, D, P = shape.num_q_heads, shape.head_dim, shape.page_size
         attended = context + chunk / 2
         dense_gpu = 4.0 * chunk * attended * H * D / self.dense_flops[kernel]
-        read = min(attended, density * attended + forced_pages * P)
+        read = min(attended, max(density * attended + forced_pages * P, min_pages * P))
         search = 4.0 * (chunk / query_stride) * (attended / P) * H * D / self.search_flops if search else 0.0
         rows = self.rows_flops[rows_kernel or kernel]
         sparse_gpu = 4.0 * chunk * read * H * D / rows + search + self.sparse_gpu_s
@@ -148,11 +148,11 @@ class CostModel:
 
     def pass_times(self, shape: ModelShape, context: int, chunk: int, density: float, kernel: str,
                    layers: SparsePassLayers, query_stride: int = 1, forced_pages: int = 0,
-                   rows_kernel: str | None = None) -> tuple[float, float]:
+                   rows_kernel: str | None = None, min_pages: int = 0) -> tuple[float, float]:
         """(dense, sparse) seconds of one forward pass of `layers.total` layers (as `layer_times`): a sparse pass's
         dense-first layers cost the dense layer, its read-all layers the rows over every page (no search)."""
         dense, sparse = self.layer_times(shape, context, chunk, density, kernel, query_stride, forced_pages,
-                                         rows_kernel)
+                                         rows_kernel, min_pages=min_pages)
         _, read_all = self.layer_times(shape, context, chunk, 1.0, kernel, query_stride, 0, rows_kernel,
                                        search=False)
         return (layers.total * dense,
@@ -160,7 +160,7 @@ class CostModel:
 
     def break_even(self, shape: ModelShape, chunk: int, density: float, kernel: str, max_context: int,
                    query_stride: int = 1, forced_pages: int = 0, rows_kernel: str | None = None,
-                   layers: SparsePassLayers | None = None) -> int | None:
+                   layers: SparsePassLayers | None = None, min_pages: int = 0) -> int | None:
         """Smallest context (a multiple of the page size) from which the sparse path is predicted faster by
         `margin` at every longer context up to `max_context`; None when it never is. `kernel`: the dense
         attention's; `rows_kernel`: the sparse rows' (default: the same); `layers`: price whole passes of
@@ -172,7 +172,7 @@ class CostModel:
         best = None
         for n in range(cdiv(max_context, P), 0, -1):
             dense, sparse = self.pass_times(shape, n * P, chunk, density, kernel, layers, query_stride, forced_pages,
-                                            rows_kernel)
+                                            rows_kernel, min_pages)
             if sparse > (1 - self.margin) * dense:
                 break
             best = n * P
@@ -296,12 +296,13 @@ class Gate:
         dense_above = above if above is not None else (1.0 if config.dense_above is None else config.dense_above)
         layers = pass_layers(dense_above < 1.0)
         # the rows' kernel, not the dense one: the default selector's rows run on fa2 where the dense pass runs fa3
-        be = model.break_even(shape, chunk, density, kernel, max_context, qs, forced, rk, layers)
+        floor = getattr(config.params, "min_pages", 0)
+        be = model.break_even(shape, chunk, density, kernel, max_context, qs, forced, rk, layers, floor)
         passes = "" if layers is None else (f", passes of {layers.total} layers ({layers.dense_first} dense first, "
                                             f"{layers.read_all} read-all)")
         detail = (f"cost model {model.gpu} ({model.source}): heads {shape.num_q_heads}/{shape.num_kv_heads}, "
                   f"head_dim {shape.head_dim}, page {shape.page_size}, chunk {chunk}, expected density "
-                  f"{density:.2f}, {kernel} dense vs {rk} rows{passes}: ")
+                  f"{density:.2f}{f' (at least {floor} pages)' if floor else ''}, {kernel} dense vs {rk} rows{passes}: ")
         if be is None:
             return gate(GateDecision(NEVER, "cost model", detail + f"never pays up to {max_context} tokens"))
         return gate(GateDecision(be, "cost model", detail + f"pays from {be} tokens of context"))

@@ -245,6 +245,30 @@ def test_the_gate_prices_per_layer_budgets_at_their_mean():
     assert half.never or half.min_context > flat.min_context
 
 
+def test_the_gate_prices_a_page_floor():
+    """A fixed budget's `min_pages` makes a row read at least that many pages: the rows cost what they read, so the
+    floor moves the break-even context up (a floor at least the whole context saves nothing), as the server
+    gate states."""
+    from unittest import mock
+
+    m = model()
+    L = 8192
+    flat = m.layer_times(SHAPE_8B, L, 1024, 0.25, "fa3")[1]
+    assert m.layer_times(SHAPE_8B, L, 1024, 0.25, "fa3", min_pages=4)[1] == flat          # below the fraction
+    assert m.layer_times(SHAPE_8B, L, 1024, 0.25, "fa3", min_pages=128)[1] > flat
+    assert m.layer_times(SHAPE_8B, L, 1024, 0.25, "fa3", min_pages=10 ** 6, search=False)[1] == \
+        m.layer_times(SHAPE_8B, L, 1024, 1.0, "fa3", search=False)[1]                      # capped at the context
+    no_floor = m.break_even(SHAPE_8B, 1024, 0.25, "fa3", 131072)
+    floor = m.break_even(SHAPE_8B, 1024, 0.25, "fa3", 131072, min_pages=256)
+    assert no_floor is not None and floor is not None and floor > no_floor
+    cfg = CompactConfig(block_size=64, selector="budget", selector_params={"density": 0.25})
+    with mock.patch("sglang_compact.gate.cost_model_for", return_value=m):
+        a = Gate.for_server(cfg, SHAPE_8B, 1024, "test", "fa3", 131072, "fa3", num_layers=32).decision
+        b = Gate.for_server(cfg.replace(selector_params={"density": 0.25, "min_pages": 256}), SHAPE_8B, 1024,
+                            "test", "fa3", 131072, "fa3", num_layers=32).decision
+    assert b.min_context > a.min_context and "at least 256 pages" in b.detail and "at least" not in a.detail
+
+
 @pytest.mark.parametrize("selector", ["mass_budget", "xattention", "oracle"])
 def test_a_search_the_cost_model_does_not_price_gets_the_fallback_context(selector):
     """The shipped model prices the FlashPrefill search (mean keys, key bounds) only: a selector that reads the keys
