@@ -23,7 +23,9 @@ cut_short() {
   exit 124
 }
 trap cut_short TERM
+t0=$SECONDS
 source scripts/gpu/setup.sh || exit 1
+echo "setup: $((SECONDS - t0)) s"
 python3 scripts/gpu/pieces.py collect .pieces --into /tmp/pieces > /dev/null 2>&1 || true
 # the FA3 join decompresses with zstandard (its wheel comes with the first piece; a fresh machine lacks it)
 if ls /tmp/pieces/zstandard-*.whl > /dev/null 2>&1 && ! python3 -c "import zstandard" 2>/dev/null; then
@@ -34,11 +36,13 @@ if [ ! -f $SITE/flash_ops.abi3.so ]; then
   python3 scripts/gpu/pieces.py join fa3 --dir /tmp/pieces --out $SITE/flash_ops.abi3.so --unzstd
 fi
 python3 -c "from sgl_kernel.flash_attn import flash_attn_varlen_func; print('fa3 library: ok')" 2>&1 | tail -1
+echo "fa3 library ready: $((SECONDS - t0)) s"
 if [ ! -f /tmp/qwen/config.json ]; then
   mkdir -p /tmp/res
   python3 scripts/gpu/pieces.py join qwen --dir /tmp/pieces --out /tmp/qwen.gguf && \
   python3 scripts/convert_gguf.py --model qwen2.5-coder --gguf /tmp/qwen.gguf --out /tmp/qwen --dtype bfloat16 \
     --quiet > /tmp/res/qwen_convert.log 2>&1; echo "convert: exit $?"; tail -2 /tmp/res/qwen_convert.log
+  echo "model ready: $((SECONDS - t0)) s"
 fi
 if [[ $JOB == prepare ]]; then
   [ -f /tmp/qwen/config.json ] && echo "prepared: /tmp/qwen" || { echo "prepare: no /tmp/qwen"; exit 1; }
