@@ -88,7 +88,7 @@ DEFAULT_METHODS = (
     "compact:flashprefill:alpha=0.2", "compact:flashprefill:alpha=0.4", "compact:flashprefill:alpha=0.6",
     "compact:xattention:threshold=0.9", "compact:oracle:top_p=0.95", "compact:budget:density=0.3",
 )
-DEFAULT_HF_METHODS = ("quoka", "blocksparse:flashprefill:alpha=0.4")
+HF_METHOD_EXAMPLES = ("quoka", "blocksparse:flashprefill:alpha=0.4")
 MEMORY_ERRORS = ("out of memory", "not enough memory", "leave no gpu memory", "outofmemoryerror")
 SKIP_FACTOR = 1.5   # a cell is not started when 1.5x its estimate already exceeds the time left
 
@@ -451,9 +451,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device-label", default="h200", help="the rows' device")
     p.add_argument("--methods", nargs="*", default=list(DEFAULT_METHODS),
                    help="server methods: dense | compact:SELECTOR[:k=v,...] (default: %(default)s)")
-    p.add_argument("--hf-methods", nargs="*", default=list(DEFAULT_HF_METHODS),
+    p.add_argument("--hf-methods", nargs="*", default=[],
                    help="in-process HF methods on the GPU: quoka[:..] | blocksparse:SEL[:k=v,..] | compact:.. "
-                        "(none: skip; default: %(default)s)")
+                        f"(e.g. {' '.join(HF_METHOD_EXAMPLES)}; default none: their child process and its "
+                        "minutes only when asked for)")
     p.add_argument("--hf-n", type=int, default=5, help="prompts per cell for the HF methods (the first of --n)")
     p.add_argument("--hf-device", default="cuda")
     p.add_argument("--hf-dtype", default="bfloat16", choices=("float32", "bfloat16"))
