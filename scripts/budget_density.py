@@ -64,9 +64,8 @@ def prompt_densities(config: CompactConfig, prompt_len: int, chunk: int, dense_a
         turned = set(gate.dense_windows(qb, qb.window_density(rows, 1)))
         pages = [n if (not s or w in turned) else k
                  for w, (n, s, k) in enumerate(zip(context, qb.w_sparse, rows))]
-        selecting = [n for w, (n, s) in enumerate(zip(context, qb.w_sparse)) if s]
-        read_sel = sum(k for w, (k, s) in enumerate(zip(pages, qb.w_sparse)) if s)
-        per_pass.append(read_sel / sum(selecting))
+        selecting = sum(n for n, s in zip(context, qb.w_sparse) if s)
+        per_pass.append(sum(k for k, s in zip(pages, qb.w_sparse) if s) / selecting)
         read += sum(pages)
     return dict(per_pass=sum(per_pass) / len(per_pass) if per_pass else None, page_weighted=read / total,
                 sparse_passes=len(per_pass), passes=passes)
