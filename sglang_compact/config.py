@@ -80,7 +80,7 @@ class CompactConfig:
     """
 
     block_size: int = 64
-    selector: str = "flashprefill"
+    selector: str = "quest_budget"
     selector_params: Mapping[str, Any] | SelectorParams = field(default_factory=dict)
     selector_modules: tuple[str, ...] = ()
     sink_blocks: int = 2

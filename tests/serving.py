@@ -76,3 +76,11 @@ def assert_same_tokens(want, got, what):
             k, wk, gk, gw, gg = d
             assert max(gw, gg) < NEAR_TIE, (f"{what}, prompt {i}: token {k} differs ({wk} vs {gk}); top-2 "
                                             f"logprob gaps there {gw:.2e} / {gg:.2e}")
+
+
+def metric_value(text: str, name: str, label: str = "") -> float:
+    """The sum of a Prometheus metric's samples on a /metrics page whose labels contain `label`."""
+    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+              if (line.startswith(name + "{") or line.startswith(name + " ")) and label in line]
+    assert values, f"{name} {label} is not on /metrics"
+    return sum(values)

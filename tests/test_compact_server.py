@@ -31,7 +31,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT / "scripts"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from serving import SERVER_ENV, SGLangServer, assert_same_tokens, greedy_with_top2  # noqa: E402
+from serving import SERVER_ENV, SGLangServer, assert_same_tokens, greedy_with_top2, metric_value  # noqa: E402
 
 PAGE, CHUNK, NEW = 16, 128, 12
 COMPACT = ["--attention-backend", "compact"]
@@ -162,21 +162,18 @@ def test_a_selector_from_a_test_module_is_served(model_dir):
         metric_value(metrics, "sglang:compact_density_forward_count") < 0.9
 
 
-def metric_value(text: str, name: str, label: str = "") -> float:
-    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-              if (line.startswith(name + "{") or line.startswith(name + " ")) and label in line]
-    assert values, f"{name} {label} is not on /metrics"
-    return sum(values)
-
-
 @pytest.mark.parametrize("flags, reason", [
     (["--compact-selector", "nope"], "--compact-selector 'nope': use one of"),
     (["--compact-block-size", "32"], "--compact-block-size 32 differs from --page-size 16: drop --compact-block-size"),
     (["--compact-min-context", "-1"], "must be 'auto' or a number of tokens >= 0"),
     (["--compact-min-prefix-len", "x"], "must be 'auto' or a number of tokens"),
     (["--compact-dense-above", "2"], "must be 'auto' or a density in [0, 1]"),
-    (["--compact-alpha", "-0.5"], "--compact-selector-params['alpha']: must be a number in [0.0, 1.0]"),
-    (["--compact-density", "0.2"], "--compact-density sets the budget selector's density: add --compact-selector budget"),
+    (["--compact-selector", "flashprefill", "--compact-alpha", "-0.5"],
+     "--compact-selector-params['alpha']: must be a number in [0.0, 1.0]"),
+    (["--compact-alpha", "0.2"], "--compact-alpha sets the flashprefill selector's alpha: add --compact-selector flashprefill"),
+    (["--compact-density", "1.5"], "--compact-selector-params['density']: must be a number in [0.0, 1.0]"),
+    (["--compact-selector", "xattention", "--compact-density", "0.2"],
+     "--compact-density sets the quest_budget / budget / mass_budget selector's density: add --compact-selector quest_budget"),
     (["--compact-sink-blocks", "-2"], "--compact-sink-blocks: must be an integer >= 0"),
     (["--compact-recall-every", "-3"], "--compact-recall-every: must be an integer >= 0"),
     (["--compact-prefill-kernel", "fa4"], "invalid choice: 'fa4'"),

@@ -9,9 +9,19 @@ from sglang_compact.selectors.registry import selector_names, selector_spec
 
 def test_defaults_valid():
     c = CompactConfig()
-    assert c.selector == "flashprefill" and c.params.alpha == pytest.approx(0.4) and c.params.query_stride == 1
+    assert c.selector == "quest_budget" and c.params.density == pytest.approx(0.25) and c.params.min_tokens == 4096
     assert c.min_context is None and c.dense_tail == 1024
-    assert type(c.params).__name__ == "FlashPrefillParams"
+    assert type(c.params).__name__ == "QuestBudgetParams"
+
+
+@pytest.mark.parametrize("page, pages", [(16, 256), (32, 128), (64, 64), (256, 16)])
+def test_the_default_floor_is_in_tokens(page, pages):
+    """The default's floor means the same candidates at every page size; min_pages raises it, never lowers."""
+    c = CompactConfig(block_size=page)
+    assert c.params.floor_pages(page) == pages
+    assert CompactConfig(block_size=page, selector_params={"min_pages": 200}).params.floor_pages(page) == max(200, pages)
+    assert CompactConfig(block_size=page, selector_params={"min_tokens": 0}).params.floor_pages(page) == 0
+    assert CompactConfig(block_size=page, selector_params={"min_tokens": 100}).params.floor_pages(page) == -(-100 // page)
 
 
 @pytest.mark.parametrize("kwargs, field, words", [
@@ -30,15 +40,16 @@ def test_defaults_valid():
     ({"dense_above": float("nan")}, "dense_above", "[0, 1]"),
     ({"dense_above": True}, "dense_above", "[0, 1]"),
     ({"prefill_kernel": "fa4"}, "prefill_kernel", "one of auto, fa2, fa3"),
-    ({"selector_params": {"query_stride": 3}}, "selector_params['query_stride']", "power of two in [1, 16]"),
+    ({"selector": "flashprefill", "selector_params": {"query_stride": 3}}, "selector_params['query_stride']",
+     "power of two in [1, 16]"),
     ({"selector": "budget", "selector_params": {"query_stride": 32}}, "selector_params['query_stride']",
      "integer in [1, 16]"),
     ({"density_cap": 0.0}, "density_cap", "(0, 1]"),
     ({"density_cap": 1.5}, "density_cap", "(0, 1]"),
-    ({"selector_params": {"alpha": 2.0}}, "selector_params['alpha']", "[0.0, 1.0]"),
-    ({"selector_params": {"alpha": True}}, "selector_params['alpha']", "number"),
+    ({"selector": "flashprefill", "selector_params": {"alpha": 2.0}}, "selector_params['alpha']", "[0.0, 1.0]"),
+    ({"selector": "flashprefill", "selector_params": {"alpha": True}}, "selector_params['alpha']", "number"),
     ({"selector_params": {"beta": 1}}, "selector_params", "unknown parameter"),
-    ({"selector_params": {"density": 0.2}}, "selector_params", "allowed: alpha, query_stride"),
+    ({"selector_params": {"alpha": 0.2}}, "selector_params", "allowed: density, min_pages, min_tokens"),
     ({"selector": "xattention", "selector_params": {"stride": 3}}, "selector_params['stride']", "power of two"),
     ({"selector": "seer"}, "selector_params['gate_path']", "safetensors"),
     ({"selector": "seer", "selector_params": {"gate_path": 3}}, "selector_params['gate_path']", "string"),
@@ -73,7 +84,7 @@ def test_params_given_as_the_dataclass_or_a_mapping_are_equal():
 
 
 def test_replace_with_another_selector_resets_its_params():
-    c = CompactConfig(selector_params={"alpha": 0.1}).replace(selector="budget")
+    c = CompactConfig(selector="flashprefill", selector_params={"alpha": 0.1}).replace(selector="budget")
     assert c.params.density == pytest.approx(0.3)
 
 

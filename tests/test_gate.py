@@ -37,7 +37,7 @@ def test_break_even_none_when_the_overhead_never_pays():
 
 
 def test_the_gate_prices_the_rows_on_their_own_kernel():
-    """The default selector's rows run on fa2 while the dense pass runs fa3: the gate opens later (or never) than
+    """`flashprefill`'s rows run on fa2 while the dense pass runs fa3: the gate opens later (or never) than
     if the rows ran on fa3, and its log line names both kernels."""
     m = model(rows_flops={"fa2": 200e12, "fa3": 480e12})
     assert m.break_even(SHAPE_8B, 8192, 0.35, "fa3", 131072) is not None
@@ -52,7 +52,7 @@ def test_the_gate_prices_the_rows_on_their_own_kernel():
     assert m.break_even(SHAPE_8B, 1024, 0.5, "fa3", 131072, rows_kernel="fa2") is None
     from unittest import mock
 
-    cfg = CompactConfig(block_size=64)
+    cfg = CompactConfig(block_size=64, selector="flashprefill")
     with mock.patch("sglang_compact.gate.cost_model_for", return_value=m):
         fa2_rows = Gate.for_server(cfg, SHAPE_8B, 1024, "test", "fa3", 131072, rows_kernel="fa2").decision
         fa3_rows = Gate.for_server(cfg, SHAPE_8B, 1024, "test", "fa3", 131072, rows_kernel="fa3").decision
@@ -145,7 +145,7 @@ def test_break_even_density_where_the_rows_stop_paying():
 
 
 def test_dense_above_sources_and_the_windows_it_turns_dense():
-    cfg = CompactConfig(block_size=64)
+    cfg = CompactConfig(block_size=64, selector="flashprefill")
     shipped = sorted(load_cost_models())[0]
     auto = Gate.for_server(cfg, SHAPE_8B, 1024, shipped, "fa3", 131072, rows_kernel="fa2")
     want = load_cost_models()[shipped].break_even_density(SHAPE_8B, "fa3", "fa2")
@@ -212,7 +212,7 @@ def test_the_server_gate_prices_its_own_passes():
     from sglang_compact.gate import SparsePassLayers
 
     m = model()
-    fix = CompactConfig(block_size=64, selector_params={"fix_rows": True})
+    fix = CompactConfig(block_size=64, selector="flashprefill", selector_params={"fix_rows": True})
     budget = CompactConfig(block_size=64, selector="budget")
     assert SparsePassLayers.of(fix, 32, observes=True) == SparsePassLayers(32, 1, 0)
     assert SparsePassLayers.of(fix.replace(dense_layers=(5, 6, 40)), 32, observes=True) == SparsePassLayers(32, 1, 2)

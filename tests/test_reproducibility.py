@@ -11,7 +11,7 @@ three cache states:
 * mixed batch: the cache flushed once, then all prompts sent concurrently (4 at a time, shuffled): their
   chunks are batched with other requests' chunks and decode steps.
 
-For the default selector (`--compact-min-context 256 --compact-dense-tail 64`) and for `--compact-selector
+For the default selector (`--compact-min-context 256 --compact-dense-tail 64`, its page floor at 320 tokens) and for `--compact-selector
 dense`, count the (prompt, state) runs whose tokens differ from the cold run and, among those, the near-tie
 flips: the first divergence is where both runs' top-2 logprob gap is under `NEAR_TIE`. Every difference must be
 a near-tie flip, and the default selector (whose selection depends only on absolute positions) must flip no
@@ -34,13 +34,17 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT / "scripts"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from serving import NEAR_TIE, SGLangServer, first_divergence, greedy_with_top2  # noqa: E402
+from serving import NEAR_TIE, SGLangServer, first_divergence, greedy_with_top2, metric_value  # noqa: E402
 
 PAGE, CHUNK, NEW = 16, 128, 4
 #: shared document slice of each prompt: page-aligned (multiples of 16) or not
 SHARED = (0, 16, 37, 64, 100, 128, 150, 192, 250, 256, 300, 333, 384, 400, 448, 470, 512, 530, 576, 600)
 MIN_CONTEXT, DENSE_TAIL = 256, 64
-SELECTORS = {"default": ["--compact-min-context", str(MIN_CONTEXT), "--compact-dense-tail", str(DENSE_TAIL)],
+#: the default selector with its page floor scaled to these prompts (its 4096 tokens would read all of a
+#: 700-token prompt): 320 tokens, 20 pages, above the forced pages, so the floor and the share both decide rows
+FLOOR_TOKENS = 320
+SELECTORS = {"default": ["--compact-min-context", str(MIN_CONTEXT), "--compact-dense-tail", str(DENSE_TAIL),
+                         "--compact-selector-params", f'{{"min_tokens": {FLOOR_TOKENS}}}', "--enable-metrics"],
              "dense": ["--compact-selector", "dense"]}
 
 
@@ -130,6 +134,9 @@ def test_tokens_do_not_depend_on_the_cache_state(model_dir):
         with SGLangServer(model_dir, module="sglang_compact.launch_server", page_size=PAGE,
                           chunked_prefill_size=CHUNK, extra_args=["--attention-backend", "compact"] + args) as srv:
             results[name] = cache_states(srv)
+            if name == "default":   # the sparse path ran, so the check is not of dense reads
+                sparse = metric_value(srv.get_text("/metrics"), "sglang:compact_qblocks_total", 'path="sparse"')
+                assert sparse > 0, sparse
     report, counts = [], {}
     for name, states in results.items():
         assert all(len(out) == NEW for state in states.values() for out, _ in state)

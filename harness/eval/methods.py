@@ -6,8 +6,10 @@ import json
 from typing import Any
 
 START_PRESETS = ("cpu-dense", "cpu-compact", "cpu-compact-dense", "hf")
-SELECTOR_PARAM_FLAGS = {"flashprefill": "alpha", "xattention": "threshold", "oracle": "top_p", "budget": "density",
-                        "mass_budget": "density"}
+# the selector parameters a row records even when the method leaves them at their defaults: the ones a
+# command line usually sets, and quest_budget's page floor (on by default: 4096 tokens)
+RECORDED_DEFAULTS = {"flashprefill": ("alpha",), "xattention": ("threshold",), "oracle": ("top_p",),
+                     "budget": ("density",), "mass_budget": ("density",), "quest_budget": ("density", "min_tokens")}
 
 
 def selector_params(args) -> dict[str, Any]:
@@ -54,11 +56,11 @@ def compact_method_params(selector: str, params: dict[str, Any], *, chunk: int, 
     """(method label, row params) of a compact server: the selector's parameters (defaults filled in), its
     dense tail and the chunking / gate / forced-page settings."""
     params = {} if selector == "dense" else {**params, "dense_tail": compact_method(selector, params).dense_tail}
-    if selector in SELECTOR_PARAM_FLAGS:
+    if selector in RECORDED_DEFAULTS:
         from sglang_compact.selectors.registry import selector_spec
-        name = SELECTOR_PARAM_FLAGS[selector]
-        default = {f.name: f.default for f in selector_spec(selector).params.fields()}[name]
-        params.setdefault(name, default)
+        defaults = {f.name: f.default for f in selector_spec(selector).params.fields()}
+        for name in RECORDED_DEFAULTS[selector]:
+            params.setdefault(name, defaults[name])
     params.update(chunk=chunk, page_size=page_size, min_context=min_context, sink_blocks=sink_blocks,
                   recent_blocks=recent_blocks)
     return f"compact-{selector}", params

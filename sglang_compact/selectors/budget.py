@@ -2,7 +2,7 @@
 
 Pages are ranked by their best mean-key score over the row's query heads and the q-blocks of its
 window (forced sink / recent / window pages first), and the top `row_budget(last + 1, density)`
-are kept (at least `min_pages` where the context has them), so the density the paged kernel
+are kept (at least `min_pages`, or `min_tokens` of pages, where the context has them), so the density the paged kernel
 reads is the requested one and every row's length is known on the host before any search: FlashInfer
 fa3 is planned once per forward pass. `query_stride` s scores every s-th query of each q-block only.
 `CompactConfig.density_cap` ranks the same way.
@@ -28,11 +28,18 @@ class RowBudgetParams(SelectorParams):
     density: float = param(0.3, lo=0.0, hi=1.0, help="fraction of each row's context pages kept")
     min_pages: int = param(0, lo=0, hi=1 << 20,
                            help="each sparse row keeps at least this many pages (its context permitting)")
+    min_tokens: int = param(0, lo=0, hi=1 << 30,
+                            help="each sparse row keeps at least this many tokens of pages, ceil(min_tokens / "
+                                 "page size) (its context permitting); the larger of this and min_pages applies")
     layer_density: str | None = param(None, help="fractions of given model layers, 'lo-hi:fraction,...' "
                                                  "(e.g. '2-6:0.6,7-23:0.28'); the others keep `density`")
 
     def __post_init__(self):
         layer_densities(self)   # a clear error at configuration time
+
+    def floor_pages(self, page_size: int) -> int:
+        """The rows' page floor at this page size: max(min_pages, ceil(min_tokens / page_size))."""
+        return max(self.min_pages, -(-self.min_tokens // page_size))
 
 
 @dataclass(frozen=True)
@@ -73,7 +80,8 @@ class BudgetSelector(Selector):
     def row_pages(self, batch):
         """The rows of the layers without a `layer_density` of their own."""
         cfg = self.config
-        return budget_row_pages(batch, self.params.density, cfg.sink_blocks, cfg.recent_blocks, self.params.min_pages)
+        return budget_row_pages(batch, self.params.density, cfg.sink_blocks, cfg.recent_blocks,
+                                self.params.floor_pages(cfg.block_size))
 
     def own_layers(self):
         return tuple(sorted(layer_densities(self.params)))
@@ -83,7 +91,8 @@ class BudgetSelector(Selector):
 
     def counts(self, batch, layer: int):
         cfg = self.config
-        return budget_counts(batch, self.density_of(layer), cfg.sink_blocks, cfg.recent_blocks, self.params.min_pages)
+        return budget_counts(batch, self.density_of(layer), cfg.sink_blocks, cfg.recent_blocks,
+                             self.params.floor_pages(cfg.block_size))
 
     def select(self, batch, layer, summaries):
         scores = page_scores(batch, summaries, group_max=True, query_stride=self.params.query_stride)  # [H_kv, NQB, NKV]

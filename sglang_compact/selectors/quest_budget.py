@@ -19,6 +19,12 @@ of the pages; this ranking at density 0.33 was within the interval of dense at 3
 bounds from the pool's keys; session 21 served them from the summaries through the kernel and got the same
 250 predictions). The cost gate prices its search with the key-bound kernel's throughput
 (`CostModel.bounds_search_flops`, about half the mean-key search's on the H200).
+
+The defaults (density 0.25, at least 4096 tokens of pages per row) are the default selector's: a share alone
+lost the story needles at 16K (0.33: -3.3; 0.42: -3.7), where the short-context passes keep a few dozen pages;
+a floor of 128 pages (page 32) brought 16K to -0.7 [-3.3, +1.3] and 32K to +0.0 [-2.0, +2.0] on 250 prompt
+pairs, reading 0.396 of a 32K prompt's pages (docs/results/accuracy_notes.md, sessions 24-25). The floor is in
+tokens so that it means the same candidates at every page size.
 """
 
 from __future__ import annotations
@@ -32,7 +38,10 @@ from sglang_compact.selectors.registry import param, register_selector
 
 @dataclass(frozen=True)
 class QuestBudgetParams(RowBudgetParams):
-    density: float = param(0.33, lo=0.0, hi=1.0, help="fraction of each row's context pages kept")
+    density: float = param(0.25, lo=0.0, hi=1.0, help="fraction of each row's context pages kept")
+    min_tokens: int = param(4096, lo=0, hi=1 << 30,
+                            help="each sparse row keeps at least this many tokens of pages, ceil(min_tokens / "
+                                 "page size) (its context permitting); the larger of this and min_pages applies")
 
 
 @register_selector("quest_budget", params=QuestBudgetParams, fixes_row_lengths=True, uses_key_bounds=True,

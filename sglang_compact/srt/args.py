@@ -17,7 +17,9 @@ from sglang_compact.selectors.registry import describe_params, import_selector_m
 
 PROG = "sglang_compact.launch_server"
 #: parameter shorthands: flag -> (selector, parameter)
-SHORTHANDS = {"--compact-alpha": ("flashprefill", "alpha"), "--compact-density": ("budget", "density")}
+# flag -> (the selectors that take it, their parameter)
+SHORTHANDS = {"--compact-alpha": (("flashprefill",), "alpha"),
+              "--compact-density": (("quest_budget", "budget", "mass_budget"), "density")}
 
 
 def _auto_or(kind, lo: float, hi: float | None, what: str):
@@ -62,7 +64,8 @@ def add_compact_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--compact-alpha", type=float, default=None,
                    help="flashprefill threshold (shorthand for --compact-selector-params '{\"alpha\": X}')")
     g.add_argument("--compact-density", type=float, default=None,
-                   help="budget selector density (shorthand; needs --compact-selector budget)")
+                   help="the fixed-budget selectors' density: quest_budget (the default), budget, mass_budget "
+                        "(shorthand for --compact-selector-params '{\"density\": X}')")
     g.add_argument("--compact-sink-blocks", type=int, default=d.sink_blocks,
                    help=f"leading pages every q-block reads (default {d.sink_blocks})")
     g.add_argument("--compact-recent-blocks", type=int, default=d.recent_blocks,
@@ -123,13 +126,13 @@ def build_config(ns: argparse.Namespace, page_size: int) -> CompactConfig:
                              "'{\"alpha\": 0.3}'") from None
         if not isinstance(params, dict):
             raise ValueError("--compact-selector-params must be a JSON object, such as '{\"alpha\": 0.3}'")
-    for flag, (selector, name) in SHORTHANDS.items():
+    for flag, (selectors, name) in SHORTHANDS.items():
         value = getattr(ns, flag[2:].replace("-", "_"))
         if value is None:
             continue
-        if ns.compact_selector != selector:
-            raise ValueError(f"{flag} sets the {selector} selector's {name}: add --compact-selector {selector}, or "
-                             f"drop {flag} (the {ns.compact_selector} selector's parameters go in "
+        if ns.compact_selector not in selectors:
+            raise ValueError(f"{flag} sets the {' / '.join(selectors)} selector's {name}: add --compact-selector "
+                             f"{selectors[0]}, or drop {flag} (the {ns.compact_selector} selector's parameters go in "
                              "--compact-selector-params)")
         params[name] = value
     return CompactConfig(block_size=page_size, selector=ns.compact_selector, selector_params=params,
