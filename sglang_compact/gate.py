@@ -295,7 +295,7 @@ class Gate:
         forced = config.sink_blocks + config.recent_blocks + window // shape.page_size
         dense_above = above if above is not None else (1.0 if config.dense_above is None else config.dense_above)
         layers = pass_layers(dense_above < 1.0)
-        # the rows' kernel, not the dense one: the default selector's rows run on fa2 where the dense pass runs fa3
+        # the rows' kernel, not the dense one: flashprefill's rows run on fa2 where the dense pass runs fa3
         floor = config.params.floor_pages(shape.page_size) if hasattr(config.params, "floor_pages") else 0
         be = model.break_even(shape, chunk, density, kernel, max_context, qs, forced, rk, layers, floor)
         passes = "" if layers is None else (f", passes of {layers.total} layers ({layers.dense_first} dense first, "
