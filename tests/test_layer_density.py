@@ -29,11 +29,12 @@ def test_metrics_are_read_per_layer():
 
 @pytest.mark.server
 def test_smollm2_layers_on_the_cpu_server(smollm2_dir, tmp_path):
-    """Two suite prompts: one below the gate (no sparse pass: left out), one past it (every layer measured, each
+    """`flashprefill`, whose densities differ by layer. Two suite prompts: one below the gate (no sparse pass: left out), one past it (every layer measured, each
     within (0, 1]). On SmolLM2 the first layer reads more of its context than the others on average (the reason a
     pass's first layer reads every page)."""
     rc = LD.main(["--model-path", str(smollm2_dir), "--lengths", "200,1000", "--prompts", "1", "--page-size", "16",
-                  "--chunk", "128", "--min-context", "256", "--dense-tail", "64", "--out-dir", str(tmp_path)])
+                  "--chunk", "128", "--min-context", "256", "--dense-tail", "64", "--out-dir", str(tmp_path),
+                  "--extra-args", "--compact-selector flashprefill"])
     assert rc == 0
     data = json.loads((tmp_path / "layer_density.json").read_text())
     short, long_ = data["prompts"]

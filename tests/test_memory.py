@@ -110,7 +110,9 @@ def kvc(backend="compact", selector=None, page=16, dtype=torch.float32):
 
 def test_the_cell_size_hook_adds_the_summaries_only_where_they_are_kept():
     cell = kv_cell(30, 3, 64, 4)
-    assert add_summaries_to_cell_size(cell, None, kvc(), 30) == cell + 1448            # stock launcher: defaults
+    # stock launcher: the default selector (quest_budget) keeps the key sums and the key bounds
+    assert add_summaries_to_cell_size(cell, None, kvc(), 30) == cell + 4328
+    assert add_summaries_to_cell_size(cell, None, kvc(selector="quest_budget"), 30) == cell + 4328
     assert add_summaries_to_cell_size(cell, None, kvc(selector="flashprefill"), 30) == cell + 1448
     assert add_summaries_to_cell_size(cell, None, kvc(selector="dense"), 30) is None   # keeps SGLang's size
     assert add_summaries_to_cell_size(cell, None, kvc(backend="torch_native"), 30) is None
@@ -190,7 +192,7 @@ def test_the_pool_makes_room_for_the_summaries_and_fills_to_its_limit(model_dir,
     layers, kv_heads = cfg["num_hidden_layers"], cfg["num_key_value_heads"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     cell = kv_cell(layers, kv_heads, head_dim, 4)  # float32 KV
-    summaries = summary_bytes_per_token(cell, layers, torch.float32, PAGE)
+    summaries = summary_bytes_per_token(cell, layers, torch.float32, PAGE, key_bounds=True)  # the default's
 
     with server(model_dir, fixed_memory_env, ["--attention-backend", "torch_native"]) as srv:
         stock = pool_tokens(srv)

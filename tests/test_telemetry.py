@@ -317,12 +317,12 @@ def test_budget_density_replay_is_what_the_server_reports():
     model = convert(MODEL_DIR, "float32", quiet=True)
     rng = random.Random(11)
     ids = [rng.randrange(200, 40000) for _ in range(1000)]
-    params = {"density": 0.3, "min_pages": 12}
+    params = {"density": 0.3, "min_pages": 12, "min_tokens": 0}
     config = CompactConfig(block_size=16, selector="quest_budget", selector_params=params, min_context=256,
                            dense_tail=100, sink_blocks=2, recent_blocks=4)
     replay = prompt_densities(config, len(ids), 128)
     args = ["--attention-backend", "compact", "--compact-selector", "quest_budget", "--compact-selector-params",
-            '{"density": 0.3, "min_pages": 12}', "--compact-min-context", "256", "--compact-dense-tail", "100",
+            '{"density": 0.3, "min_pages": 12, "min_tokens": 0}', "--compact-min-context", "256", "--compact-dense-tail", "100",
             "--enable-metrics"]
     with SGLangServer(model, module="sglang_compact.launch_server", page_size=16, chunked_prefill_size=128,
                       extra_args=args) as srv:
