@@ -318,7 +318,7 @@ def test_flashprefill_rows_fixed_at_the_first_layer_run_on_fa3_planned_once(hq, 
     prefix, chunk = [30000 + 7, 12345, 4100], [1024, 517, 64]
     ranges = [(0, 1 << 40), (0, 1 << 40), (0, 0)]
     layers = layers_of_one_pass(prefix, chunk, hq, hkv, d, [50, 51, 52], sparse_ranges=ranges)
-    ca = CompactAttention(CompactConfig(block_size=P, selector_params={"alpha": 0.1, "fix_rows": True}))
+    ca = CompactAttention(CompactConfig(block_size=P, selector="flashprefill", selector_params={"alpha": 0.1, "fix_rows": True}))
     first = ca.select_pages(layers[0], 0, batch_summaries(layers[0]))
     rows = first.counts.tolist()
     once = executor(layers[0], "fa3-auto")
@@ -347,7 +347,8 @@ def test_dense_layers_read_all_under_the_passs_plan(kernel):
     prefix, chunk = [30000 + 7, 12345, 4100], [1024, 517, 64]
     ranges = [(0, 1 << 40), (0, 1 << 40), (0, 0)]
     layers = layers_of_one_pass(prefix, chunk, 16, 4, 128, [60, 61, 62], sparse_ranges=ranges)
-    ca = CompactAttention(CompactConfig(block_size=P, selector_params={"alpha": 0.1}, dense_layers=(2,)))
+    ca = CompactAttention(CompactConfig(block_size=P, selector="flashprefill", selector_params={"alpha": 0.1},
+                                        dense_layers=(2,)))
     ex = executor(layers[0], kernel)
     ex.plan_forward(ForwardShape.of(layers[0]), layers[0].page_table)
     assert ex.mode == ("rows" if kernel == "fa2" else "rows-per-layer")
@@ -365,7 +366,7 @@ def test_dense_layers_read_all_under_the_passs_plan(kernel):
 def test_fa3_auto_runs_varying_rows_on_fa2_planned_once():
     b = gpu_batch([9000, 20000], [512, 256], 16, 4, 128, seed=11)
     ex = executor(b, "fa3-auto")
-    out, sel = run_layer(b, CompactConfig(block_size=P), ex)
+    out, sel = run_layer(b, CompactConfig(block_size=P, selector="flashprefill"), ex)
     assert ex.mode == "rows" and ex._rows_kernel == "fa2"
     assert rel_err(out, reference_attention(b, sel.table)) <= 1e-2
 
