@@ -305,7 +305,14 @@ class Gate:
                   f"{density:.2f}{f' (at least {floor} pages)' if floor else ''}, {kernel} dense vs {rk} rows{passes}: ")
         if be is None:
             return gate(GateDecision(NEVER, "cost model", detail + f"never pays up to {max_context} tokens"))
-        return gate(GateDecision(be, "cost model", detail + f"pays from {be} tokens of context"))
+        # The model prices a pass by its cached prefix, but windows are gated by their absolute start (what is
+        # cached must not change the answer). Where a chunk holds several windows, starting at a whole chunk
+        # keeps the sparse windows to passes the model priced: a prompt's first chunk (no cached prefix) stays
+        # one dense pass, where a start inside it would make that pass mixed (measured slower than dense at
+        # chunk 8192). With one window per chunk, `sparse_range` already starts at a whole window.
+        start = cdiv(be, chunk_size) * chunk_size if chunk_size and chunk_size > window else be
+        where = f"pays from {be} tokens of context" + (f"; sparse from {start} (whole chunks)" if start != be else "")
+        return gate(GateDecision(start, "cost model", detail + where))
 
     def sparse_range(self, prompt_len: int | None) -> tuple[int, int]:
         """[lo, hi): the absolute windows that read a selection, for a prompt of `prompt_len` tokens (None:
