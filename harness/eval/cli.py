@@ -59,6 +59,7 @@ from harness.eval.cmd_accuracy import cmd_accuracy
 from harness.eval.cmd_fidelity import cmd_fidelity
 from harness.eval.methods import START_PRESETS
 from harness.eval.tasks import TASKS
+from sglang_compact.config import CompactConfig
 
 
 def cmd_paired(args) -> int:
@@ -138,12 +139,14 @@ def build_parser(defaults: Mapping[str, Any] | None = None) -> argparse.Argument
     a.add_argument("--hf-device", default="cpu", help="with --start hf: torch device of the model (cpu, cuda)")
     a.add_argument("--hf-dtype", default="float32", choices=("float32", "bfloat16", "float16"),
                    help="with --start hf: model dtype (recorded in the row's params unless float32)")
-    a.add_argument("--selector", default="flashprefill")
+    a.add_argument("--selector", default=CompactConfig.selector,
+                   help="cpu-compact: the selector (default: the package's, %(default)s)")
     a.add_argument("--selector-params", help="JSON")
     a.add_argument("--alpha", type=float)
     a.add_argument("--threshold", type=float)
     a.add_argument("--top-p", dest="top_p", type=float)
-    a.add_argument("--budget-density", type=float, default=None, help="budget selector density")
+    a.add_argument("--budget-density", type=float, default=None,
+                   help="density of a fixed-budget selector (quest_budget, budget, mass_budget)")
     a.add_argument("--dense-tail", type=int, default=None, metavar="TOKENS",
                    help="cpu-compact: the server's --compact-dense-tail, the prompt's last TOKENS read every page "
                         "(default: its default)")
