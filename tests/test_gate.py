@@ -320,16 +320,13 @@ def test_the_cost_gate_starts_at_a_whole_chunk(shape):
     """The model prices a pass by its cached prefix; the gate starts the sparse windows at the first whole chunk
     from the break-even, so a prompt's first chunk (no cached prefix) is one dense pass and every sparse window
     belongs to a pass the model priced. At chunk 1024 (one window per chunk) nothing moves."""
-    from unittest import mock
-
     cfg = CompactConfig(block_size=shape.page_size)            # the default selector, its page floor
-    m = load_cost_models()["NVIDIA H200"]
+    m = load_cost_models()["NVIDIA H200"]                      # the shipped model the H200 servers use
     be = m.search_model(True).break_even(shape, 8192, cfg.spec.expected_density(cfg.params, 24), "fa3", 131072, 1,
                                          cfg.sink_blocks + cfg.recent_blocks + 1024 // shape.page_size, "fa3",
                                          None, cfg.params.floor_pages(shape.page_size))
-    with mock.patch("sglang_compact.gate.cost_model_for", return_value=m):
-        big = Gate.for_server(cfg, shape, 8192, "NVIDIA H200", "fa3", 131072, "fa3", num_layers=24)
-        small = Gate.for_server(cfg, shape, 1024, "NVIDIA H200", "fa3", 131072, "fa3", num_layers=24)
+    big = Gate.for_server(cfg, shape, 8192, "NVIDIA H200", "fa3", 131072, "fa3", num_layers=24)
+    small = Gate.for_server(cfg, shape, 1024, "NVIDIA H200", "fa3", 131072, "fa3", num_layers=24)
     assert be is not None and 0 < be < 8192          # the model's break-even lies inside the first chunk ...
     assert big.decision.min_context == 8192 and "sparse from 8192 (whole chunks)" in big.decision.detail
     assert not big.uses_compact_path(0, 8192, 32768)                 # ... which stays one dense pass

@@ -318,7 +318,8 @@ def test_flashprefill_rows_fixed_at_the_first_layer_run_on_fa3_planned_once(hq, 
     prefix, chunk = [30000 + 7, 12345, 4100], [1024, 517, 64]
     ranges = [(0, 1 << 40), (0, 1 << 40), (0, 0)]
     layers = layers_of_one_pass(prefix, chunk, hq, hkv, d, [50, 51, 52], sparse_ranges=ranges)
-    ca = CompactAttention(CompactConfig(block_size=P, selector="flashprefill", selector_params={"alpha": 0.1, "fix_rows": True}))
+    ca = CompactAttention(CompactConfig(block_size=P, selector="flashprefill",
+                                        selector_params={"alpha": 0.1, "fix_rows": True}))
     first = ca.select_pages(layers[0], 0, batch_summaries(layers[0]))
     rows = first.counts.tolist()
     once = executor(layers[0], "fa3-auto")
