@@ -44,6 +44,8 @@ def test_the_default_floor_is_in_tokens(page, pages):
      "power of two in [1, 16]"),
     ({"selector": "budget", "selector_params": {"query_stride": 32}}, "selector_params['query_stride']",
      "integer in [1, 16]"),
+    ({"selector": "quest_budget", "selector_params": {"query_stride": 3}}, "selector_params['query_stride']",
+     "power of two in [1, 16]"),
     ({"density_cap": 0.0}, "density_cap", "(0, 1]"),
     ({"density_cap": 1.5}, "density_cap", "(0, 1]"),
     ({"selector": "flashprefill", "selector_params": {"alpha": 2.0}}, "selector_params['alpha']", "[0.0, 1.0]"),

@@ -132,6 +132,27 @@ def test_bound_scores_equal_reference(seed, Hq, Hkv, D, split):
         assert not torch.allclose(want, flashprefill_naive.block_scores(*args, group_max=group_max), atol=1e-3)
 
 
+@pytest.mark.parametrize("seed", [1, 3])   # geometries with candidate pages at page 32
+def test_bound_scores_with_a_query_stride_equal_reference(seed):
+    """The key-bound search scoring every second query of each q-block (`quest_budget`'s `query_stride`): the
+    kernel equals the torch twin, and the scores are not those of every query."""
+    P, Hq, Hkv, D = 32, 6, 2, 32
+    case = random_geometry(seed, P=P, max_pages=24)
+    q, key_sum, count = queries_and_summaries(case, Hq, Hkv, D)
+    g = case["generator"]
+    centre = torch.randn(case["num_pages"], Hkv, D, generator=g)
+    radius = torch.rand(case["num_pages"], Hkv, D, generator=g) * 2
+    bounds = (centre + radius, centre - radius)
+    qb = case["qb"].on("cpu")
+    args = (q, qb, case["page_table"], key_sum, count, 0.125, Hkv, case["qb"].max_pages)
+    got = flashprefill.block_scores(*args, group_max=True, query_stride=2, page_size=P, key_bounds=bounds)
+    want = flashprefill_naive.block_scores(*args, group_max=True, query_stride=2, key_bounds=bounds)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+    assert (want > 0).sum() > 20
+    assert not torch.allclose(want, flashprefill_naive.block_scores(*args, group_max=True, key_bounds=bounds),
+                              atol=1e-4)
+
+
 @pytest.mark.parametrize("seed", [0, 3])
 @pytest.mark.parametrize("chunks", [2, 8])
 @pytest.mark.parametrize("split", [1, 3])

@@ -208,10 +208,12 @@ def test_mass_budget_finds_a_needle_page_that_mean_keys_dilute():
     assert not tables["budget"][0, 0, needle_pages].any()
 
 
-def test_quest_bound_scores_equal_a_per_query_loop():
+@pytest.mark.parametrize("query_stride", [1, 2])
+def test_quest_bound_scores_equal_a_per_query_loop(query_stride):
     """`quest_budget`'s scores against a loop over queries and pages: u = sum_d max(q_d kmax_d, q_d kmin_d) (an
-    upper bound of every q . k of the page), softmax over the q-block's candidate pages, max over its queries;
-    the bounds from the summaries the KV store keeps (written in chunks of 13 tokens) and from the pool alike."""
+    upper bound of every q . k of the page), softmax over the q-block's candidate pages, max over its queries
+    (every `query_stride`-th of the q-block); the bounds from the summaries the KV store keeps (written in chunks
+    of 13 tokens) and from the pool alike; the selector's own scores (group max) are those."""
     from sglang_compact.selectors.base import page_scores
     from sglang_compact.summaries import PageSummaries, store_kv
     torch.manual_seed(1)
@@ -225,9 +227,14 @@ def test_quest_bound_scores_equal_a_per_query_loop():
         keys = b.context_keys(r).transpose(0, 1)                           # [E, H_kv, D]
         for a in range(0, E, 13):
             store_kv(k_copy, v_copy, slots[a:a + 13], keys[a:a + 13], keys[a:a + 13], kept)
-    got = page_scores(b, kept, key_bounds=True)
+    got = page_scores(b, kept, key_bounds=True, query_stride=query_stride)
     from_pool = LayerSummaries.from_pool(b.k_pool, b.page_table, b.context_lens_cpu(), key_bounds=True)
-    assert torch.equal(got, page_scores(b, from_pool, key_bounds=True))
+    assert torch.equal(got, page_scores(b, from_pool, key_bounds=True, query_stride=query_stride))
+    if query_stride > 1:                                                     # the stride is read
+        assert not torch.allclose(got, page_scores(b, kept, key_bounds=True), atol=1e-4)
+    selector = make_selector(cfg("quest_budget", query_stride=query_stride))
+    assert torch.equal(selector.select(b, 0, kept).scores, got.reshape(b.num_kv_heads, b.group_size, *got.shape[1:])
+                       .amax(1))
     qb, P, G = b.qblocks, b.page_size, b.group_size
     want = torch.zeros_like(got)
     for i in range(qb.count):
@@ -238,7 +245,7 @@ def test_quest_bound_scores_equal_a_per_query_loop():
         for h in range(b.num_q_heads):
             k = keys[h // G, :a * P].reshape(a, P, -1)
             best = torch.zeros(a)
-            for t in range(qb.start[i], qb.start[i] + qb.length[i]):
+            for t in range(qb.start[i], qb.start[i] + qb.length[i], query_stride):
                 q = b.q[t, h].float()
                 u = torch.maximum(q * k.amax(1), q * k.amin(1)).sum(-1) * b.sm_scale   # [a]
                 assert (u + 1e-4 >= (k @ q).amax(-1) * b.sm_scale).all()              # an upper bound

@@ -72,8 +72,6 @@ def selector_config(args, m: Method, union_window: int | None = None) -> Compact
         params = {"threshold": args.xattn_threshold, "stride": args.xattn_stride}
     elif m.selector == "mass_budget":
         params = {"density": m.fixed_density, "stride": args.xattn_stride, "row_stride": args.query_stride}
-    elif m.selector == "quest_budget":
-        params = {"density": m.fixed_density}
     else:
         params = {"density": m.fixed_density, "query_stride": args.query_stride}
     # the benchmark's batches fix their windows (`union_window` tokens) and make every one sparse: min_context and
