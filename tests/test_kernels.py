@@ -109,11 +109,12 @@ def test_search_split_over_pages_equals_one_program(seed, split):
 @pytest.mark.parametrize("seed", [0, 3, 4, 5])   # geometries with candidate pages (seed 1 has none)
 @pytest.mark.parametrize("Hq,Hkv,D", [(6, 2, 32), (14, 2, 64)])
 @pytest.mark.parametrize("split", [1, 3])
-def test_bound_scores_equal_reference(seed, Hq, Hkv, D, split):
+@pytest.mark.parametrize("P,query_stride", [(16, 1), (32, 2)])
+def test_bound_scores_equal_reference(seed, Hq, Hkv, D, split, P, query_stride):
     """Quest's bound (`key_bounds`: q+ . kmax + q- . kmin per page) in place of the mean key: the kernel's
-    scores equal the torch twin's, one program or SPLIT programs per q-block, per head and group max; and they
-    are not the mean-key scores (the bounds are read)."""
-    P = 16
+    scores equal the torch twin's, one program or SPLIT programs per q-block, per head and group max, every
+    query or every second one of each q-block (`quest_budget`'s `query_stride`); and they are not the mean-key
+    scores (the bounds are read), nor with a stride those of every query."""
     case = random_geometry(seed, P=P, max_pages=40)
     q, key_sum, count = queries_and_summaries(case, Hq, Hkv, D)
     g = case["generator"]
@@ -125,32 +126,17 @@ def test_bound_scores_equal_reference(seed, Hq, Hkv, D, split):
     args = (q, qb, case["page_table"], key_sum, count, 0.125, Hkv, NKV)
     config = dict(BN=16, num_warps=4, num_stages=2, SPLIT=split)
     for group_max in (False, True):
-        got = flashprefill.block_scores(*args, group_max=group_max, page_size=P, config=config, key_bounds=bounds)
-        want = flashprefill_naive.block_scores(*args, group_max=group_max, key_bounds=bounds)
+        got = flashprefill.block_scores(*args, group_max=group_max, page_size=P, config=config, key_bounds=bounds,
+                                        query_stride=query_stride)
+        want = flashprefill_naive.block_scores(*args, group_max=group_max, key_bounds=bounds,
+                                               query_stride=query_stride)
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
         assert (want > 0).sum() > 20
-        assert not torch.allclose(want, flashprefill_naive.block_scores(*args, group_max=group_max), atol=1e-3)
-
-
-@pytest.mark.parametrize("seed", [1, 3])   # geometries with candidate pages at page 32
-def test_bound_scores_with_a_query_stride_equal_reference(seed):
-    """The key-bound search scoring every second query of each q-block (`quest_budget`'s `query_stride`): the
-    kernel equals the torch twin, and the scores are not those of every query."""
-    P, Hq, Hkv, D = 32, 6, 2, 32
-    case = random_geometry(seed, P=P, max_pages=24)
-    q, key_sum, count = queries_and_summaries(case, Hq, Hkv, D)
-    g = case["generator"]
-    centre = torch.randn(case["num_pages"], Hkv, D, generator=g)
-    radius = torch.rand(case["num_pages"], Hkv, D, generator=g) * 2
-    bounds = (centre + radius, centre - radius)
-    qb = case["qb"].on("cpu")
-    args = (q, qb, case["page_table"], key_sum, count, 0.125, Hkv, case["qb"].max_pages)
-    got = flashprefill.block_scores(*args, group_max=True, query_stride=2, page_size=P, key_bounds=bounds)
-    want = flashprefill_naive.block_scores(*args, group_max=True, query_stride=2, key_bounds=bounds)
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
-    assert (want > 0).sum() > 20
-    assert not torch.allclose(want, flashprefill_naive.block_scores(*args, group_max=True, key_bounds=bounds),
-                              atol=1e-4)
+        assert not torch.allclose(want, flashprefill_naive.block_scores(*args, group_max=group_max,
+                                                                        query_stride=query_stride), atol=1e-3)
+        if query_stride > 1:
+            assert not torch.allclose(want, flashprefill_naive.block_scores(*args, group_max=group_max,
+                                                                            key_bounds=bounds), atol=1e-4)
 
 
 @pytest.mark.parametrize("seed", [0, 3])
