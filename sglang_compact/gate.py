@@ -296,7 +296,7 @@ class Gate:
         dense_above = above if above is not None else (1.0 if config.dense_above is None else config.dense_above)
         layers = pass_layers(dense_above < 1.0)
         # the rows' kernel, not the dense one: flashprefill's rows run on fa2 where the dense pass runs fa3
-        floor = config.params.floor_pages(shape.page_size) if hasattr(config.params, "floor_pages") else 0
+        floor = config.params.floor_pages(shape.page_size)
         be = model.break_even(shape, chunk, density, kernel, max_context, qs, forced, rk, layers, floor)
         passes = "" if layers is None else (f", passes of {layers.total} layers ({layers.dense_first} dense first, "
                                             f"{layers.read_all} read-all)")

@@ -11,11 +11,11 @@ three cache states:
 * mixed batch: the cache flushed once, then all prompts sent concurrently (4 at a time, shuffled): their
   chunks are batched with other requests' chunks and decode steps.
 
-For the default selector (`--compact-min-context 256 --compact-dense-tail 64`, its page floor at 320 tokens) and for `--compact-selector
-dense`, count the (prompt, state) runs whose tokens differ from the cold run and, among those, the near-tie
-flips: the first divergence is where both runs' top-2 logprob gap is under `NEAR_TIE`. Every difference must be
-a near-tie flip, and the default selector (whose selection depends only on absolute positions) must flip no
-more often than the dense one on the same prompts.
+For the default selector (`--compact-min-context 256 --compact-dense-tail 64`, its page floor at 320 tokens) and
+for `--compact-selector dense`, count the (prompt, state) runs whose tokens differ from the cold run and, among
+those, the near-tie flips: the first divergence is where both runs' top-2 logprob gap is under `NEAR_TIE`. Every
+difference must be a near-tie flip, and the default selector (whose selection depends only on absolute
+positions) must flip no more often than the dense one on the same prompts.
 """
 
 from __future__ import annotations

@@ -21,6 +21,10 @@ from sglang_compact.selectors.base import Selection, Selector, budget_counts, bu
 from sglang_compact.selectors.registry import SelectorParams, param, parse_layer_values, register_selector
 
 
+MIN_TOKENS_HELP = ("each sparse row keeps at least this many tokens of pages, ceil(min_tokens / page size) (its "
+                   "context permitting); the larger of this and min_pages applies")
+
+
 @dataclass(frozen=True)
 class RowBudgetParams(SelectorParams):
     """The parameters of a fixed budget per row (`budget`, `mass_budget`)."""
@@ -28,9 +32,7 @@ class RowBudgetParams(SelectorParams):
     density: float = param(0.3, lo=0.0, hi=1.0, help="fraction of each row's context pages kept")
     min_pages: int = param(0, lo=0, hi=1 << 20,
                            help="each sparse row keeps at least this many pages (its context permitting)")
-    min_tokens: int = param(0, lo=0, hi=1 << 30,
-                            help="each sparse row keeps at least this many tokens of pages, ceil(min_tokens / "
-                                 "page size) (its context permitting); the larger of this and min_pages applies")
+    min_tokens: int = param(0, lo=0, hi=1 << 30, help=MIN_TOKENS_HELP)
     layer_density: str | None = param(None, help="fractions of given model layers, 'lo-hi:fraction,...' "
                                                  "(e.g. '2-6:0.6,7-23:0.28'); the others keep `density`")
 

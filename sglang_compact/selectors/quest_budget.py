@@ -34,16 +34,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from sglang_compact.selectors.base import Selection, page_scores
-from sglang_compact.selectors.budget import BudgetParams, BudgetSelector, expected_density
+from sglang_compact.selectors.budget import MIN_TOKENS_HELP, BudgetParams, BudgetSelector, expected_density
 from sglang_compact.selectors.registry import param, register_selector
 
 
 @dataclass(frozen=True)
 class QuestBudgetParams(BudgetParams):
     density: float = param(0.25, lo=0.0, hi=1.0, help="fraction of each row's context pages kept")
-    min_tokens: int = param(4096, lo=0, hi=1 << 30,
-                            help="each sparse row keeps at least this many tokens of pages, ceil(min_tokens / "
-                                 "page size) (its context permitting); the larger of this and min_pages applies")
+    min_tokens: int = param(4096, lo=0, hi=1 << 30, help=MIN_TOKENS_HELP)
 
 
 @register_selector("quest_budget", params=QuestBudgetParams, fixes_row_lengths=True, uses_key_bounds=True,

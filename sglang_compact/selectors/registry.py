@@ -84,6 +84,11 @@ class SelectorParams:
     def fields(cls) -> tuple[dataclasses.Field, ...]:
         return dataclasses.fields(cls)
 
+    def floor_pages(self, page_size: int) -> int:
+        """Pages every sparse row reads at least at this page size (its context permitting); 0: no floor (the
+        fixed budgets override it). The cost gate prices rows at no less."""
+        return 0
+
     @classmethod
     def validated(cls, given: "Mapping[str, Any] | SelectorParams | None", owner: str) -> "SelectorParams":
         """An instance from a mapping of overrides (or an instance), checked against the declared kinds and
