@@ -64,6 +64,18 @@ def test_dry_run_prints_the_plan(acc, tmp_path, capsys):
     assert not (tmp_path / "accuracy.json").exists()
 
 
+def test_min_prefix_len_auto_leaves_the_gate_to_the_servers(acc, tmp_path, capsys):
+    assert acc.main(["--dry-run", "--out", str(tmp_path), "--methods", "dense", "compact:quest_budget",
+                     "--min-prefix-len", "auto"]) == 0
+    compact = [line for line in capsys.readouterr().out.splitlines() if "-m sglang_compact.launch_server" in line]
+    assert len(compact) == 1 and "--compact-min-context auto " in compact[0]
+    with pytest.raises(SystemExit):   # the in-process HF runners gate by a number of tokens
+        acc.main(["--dry-run", "--out", str(tmp_path), "--methods", "dense", "--hf-methods", "quoka",
+                  "--min-prefix-len", "auto"])
+    with pytest.raises(SystemExit):
+        acc.main(["--dry-run", "--out", str(tmp_path), "--min-prefix-len", "half"])
+
+
 def test_dense_tail_per_method(acc, tmp_path, capsys):
     specs = ["compact:flashprefill:alpha=0.06", "compact:flashprefill:alpha=0.06,dense_tail=0"]
     assert acc.main(["--dry-run", "--out", str(tmp_path), "--methods", *specs, "--hf-methods"]) == 0

@@ -172,6 +172,15 @@ def cell_order(lengths: Sequence[int], tasks: Sequence[str]) -> list[Cell]:
     return [(L, t) for L in lengths for t in tasks]
 
 
+def _min_prefix_len(text: str) -> int | str:
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: auto or a number of tokens") from None
+
+
 def parse_cell(text: str) -> Cell:
     """`LENGTH/TASK` (as `8192/niah_multikey`) -> (length, task); argparse type of `--cells`."""
     length, sep, task = text.partition("/")
@@ -472,9 +481,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="kept at the end for stopping servers and writing (default %(default)s)")
     p.add_argument("--page-size", type=int, default=32)
     p.add_argument("--chunk", type=int, default=256, help="--chunked-prefill-size of every server")
-    p.add_argument("--min-prefix-len", type=int, default=512,
+    p.add_argument("--min-prefix-len", type=_min_prefix_len, default=512, metavar="auto|TOKENS",
                    help="min_context of every method: windows with less context read every page "
-                        "(--compact-min-context; default %(default)s)")
+                        "(--compact-min-context; auto: the servers' cost gate, as shipped, server methods only; "
+                        "default %(default)s)")
     p.add_argument("--recall-every", type=int, default=1, metavar="N",
                    help="compact servers measure their selection's mass recall every N-th sparse pass (one layer in "
                         "turn; records get `server_recall`, rows `recall`); 0: off (default: %(default)s)")
@@ -513,6 +523,8 @@ def parse_args(argv: Sequence[str] | None = None):
         if len(set(cells)) != len(cells):
             raise SystemExit(f"{name}: a cell is given twice: {[f'{L}/{t}' for L, t in cells]}")
     a.lengths = list(dict.fromkeys(L for L, _ in a.cells + a.hf_cells))
+    if a.min_prefix_len == "auto" and a.hf_methods and a.hf_cells:
+        raise SystemExit("--min-prefix-len auto is the servers' cost gate; the HF methods need a number of tokens")
     labels = [file_label(s) for s in a.methods] + ["hf-" + file_label(s) for s in a.hf_methods]
     if len(set(labels)) != len(labels):
         raise SystemExit(f"duplicate methods: {labels}")
