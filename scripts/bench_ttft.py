@@ -29,10 +29,13 @@ that went sparse and the fraction the gate turned dense from their observed dens
 
 Methods: `flashinfer`, `fa3` (stock SGLang backends); `flashinfer-again` (a second stock `flashinfer` server: its
 ratio to the first is the spread between two identical servers, the band a do-no-harm ratio is read against);
+`flashinfer-metrics`, `fa3-metrics` (stock with `--enable-metrics`, as every compact server here runs: what SGLang's
+metrics cost a stock server);
 `compact` (its defaults), `compact-dense`
 (`--compact-selector dense`), `compact-budget-D` (`budget` at density D; `compact-mass_budget-D` and
 `compact-quest_budget-D` likewise), any of them with
-`-fa2` (`--compact-prefill-kernel fa2`) or `-at0` (`--compact-min-context 0`: sparse from the start).
+`-fa2` (`--compact-prefill-kernel fa2`), `-at0` (`--compact-min-context 0`: sparse from the start) or `-nometrics`
+(no `--enable-metrics`, as a user runs it by default: its rows have no density).
 
 Rows `{"bench": "ttft", "model", "context", "chunk", "batch", "tp", "method", "density", "ms",
 "speedup_vs_flashinfer", "gpu", "date", ...}` are appended to `<out-dir>/speed.json`; the table goes
@@ -68,6 +71,9 @@ def method_args(method: str) -> tuple[str, list[str]]:
     """(module, backend flags) of a method name (see the module docstring)."""
     if method == "flashinfer-again":   # a second stock server: the spread between two identical servers
         return method_args("flashinfer")
+    if method in ("flashinfer-metrics", "fa3-metrics"):   # what SGLang's metrics cost (compact servers run with them)
+        module, flags = method_args(method.rsplit("-", 1)[0])
+        return module, flags + ["--enable-metrics"]
     if method == "flashinfer":
         return STOCK, ["--attention-backend", "flashinfer"]
     if method == "fa3":
@@ -76,10 +82,12 @@ def method_args(method: str) -> tuple[str, list[str]]:
         raise ValueError(f"unknown method {method!r}")
     flags = ["--attention-backend", "compact", "--enable-metrics"]
     name = method
-    suffixes = {"-fa2": ["--compact-prefill-kernel", "fa2"], "-at0": ["--compact-min-context", "0"]}
+    suffixes = {"-fa2": ["--compact-prefill-kernel", "fa2"], "-at0": ["--compact-min-context", "0"], "-nometrics": []}
     while any(name.endswith(x) for x in suffixes):
         suffix = next(x for x in suffixes if name.endswith(x))
         name, flags = name[:-len(suffix)], flags + suffixes[suffix]
+        if suffix == "-nometrics":   # as a user runs it by default (no density read)
+            flags.remove("--enable-metrics")
     if name == "compact":
         return COMPACT, flags
     if name == "compact-dense":
@@ -92,6 +100,11 @@ def method_args(method: str) -> tuple[str, list[str]]:
             return COMPACT, flags + ["--compact-selector", selector,
                                      "--compact-selector-params", json.dumps({"density": density})]
     raise ValueError(f"unknown method {method!r}")
+
+
+def metered(method: str) -> bool:
+    """A compact server whose /metrics give each round's density."""
+    return method.startswith("compact") and "--enable-metrics" in method_args(method)[1]
 
 
 def compact_counters(srv) -> dict:
@@ -240,7 +253,7 @@ def main() -> int:
                 fell = {m: [] for m in servers}
                 for _ in range(a.reps):
                     for method, srv in servers.items():
-                        compact = method.startswith("compact")
+                        compact = metered(method)
                         before = compact_counters(srv) if compact else None
                         times[method].append(round_(srv, ctx, bsz))
                         if compact:
@@ -251,21 +264,24 @@ def main() -> int:
                             frac[method].append((after["sparse"] - before["sparse"]) / dq if dq else 0.0)
                             fell[method].append((after["dense_density"] - before["dense_density"]) / dq if dq else 0.0)
                 for method, srv in servers.items():
-                    compact = method.startswith("compact")
+                    compact = metered(method)
+                    unread = method.startswith("compact") and not compact   # a compact server without metrics
                     row = {"bench": "ttft", "model": name, "context": ctx, "chunk": chunk, "batch": bsz,
                            "tp": a.tp, "method": method,
-                           "density": statistics.median(dens[method]) if compact else 1.0,
-                           "sparse_qblocks": statistics.median(frac[method]) if compact else 0.0,
-                           "dense_density_qblocks": statistics.median(fell[method]) if compact else 0.0,
+                           "density": statistics.median(dens[method]) if compact else None if unread else 1.0,
+                           "sparse_qblocks": statistics.median(frac[method]) if compact else None if unread else 0.0,
+                           "dense_density_qblocks": (statistics.median(fell[method]) if compact else
+                                                     None if unread else 0.0),
                            "ms": 1000 * statistics.median(times[method]),
                            "ms_all": [round(1000 * t, 1) for t in times[method]],
                            "speedup_vs_flashinfer": None, "prefill_graphs": not a.no_prefill_graphs,
                            "page_size": a.page_size, "server_start_s": round(srv.startup_seconds or 0, 1),
                            "gpu": gpu, "date": date, "cmd": cmd, "group": group}
                     rows.append(row)
-                    print(f"{method} chunk {chunk} ctx {ctx} batch {bsz}: {row['ms']:.1f} ms (all {row['ms_all']}) "
-                          f"density {row['density']:.3f} sparse q-blocks {row['sparse_qblocks']:.2f} dense by density "
-                          f"{row['dense_density_qblocks']:.2f}", flush=True)
+                    print(f"{method} chunk {chunk} ctx {ctx} batch {bsz}: {row['ms']:.1f} ms (all {row['ms_all']}) " +
+                          ("density not read" if unread else
+                           f"density {row['density']:.3f} sparse q-blocks {row['sparse_qblocks']:.2f} dense by density "
+                           f"{row['dense_density_qblocks']:.2f}"), flush=True)
                 if a.profile_steps:
                     for method, srv in servers.items():
                         profile(srv, method, chunk, ctx, bsz, statistics.median(times[method]))
@@ -369,8 +385,9 @@ def main() -> int:
         paired = "" if not rr or r["method"] == "flashinfer" else (
             f"{rr['median']:.2f} [{rr['lo']:.2f}, {rr['hi']:.2f}] ({rr['coverage']:.0%}"
             f"{'' if r['interleaved_with_flashinfer'] else ', not interleaved'})")
-        lines.append(f"| {r['context']} | {r['chunk']} | {r['batch']} | {r['method']} | {r['density']:.2f} | "
-                     f"{r['sparse_qblocks']:.2f} | {r.get('dense_density_qblocks', 0.0):.2f} | {r['ms']:.1f} | {sp} | "
+        num = lambda x: "n/a" if x is None else f"{x:.2f}"   # noqa: E731  (a compact server without metrics)
+        lines.append(f"| {r['context']} | {r['chunk']} | {r['batch']} | {r['method']} | {num(r['density'])} | "
+                     f"{num(r['sparse_qblocks'])} | {num(r.get('dense_density_qblocks', 0.0))} | {r['ms']:.1f} | {sp} | "
                      f"{paired} |")
     (out / f"{a.name}.md").write_text("\n".join(lines) + "\n")
     if profiles:

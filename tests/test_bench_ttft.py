@@ -9,7 +9,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from bench_ttft import COMPACT, STOCK, method_args, round_ratios  # noqa: E402
+from bench_ttft import COMPACT, STOCK, metered, method_args, round_ratios  # noqa: E402
 
 
 def test_method_names():
@@ -26,6 +26,11 @@ def test_method_names():
     with pytest.raises(ValueError):
         method_args("nope")
     assert method_args("flashinfer-again") == method_args("flashinfer")   # the A/A control: the same server again
+    assert method_args("flashinfer-metrics") == (STOCK, ["--attention-backend", "flashinfer", "--enable-metrics"])
+    assert method_args("fa3-metrics")[1][-1] == "--enable-metrics"
+    bare = method_args("compact-dense-nometrics")[1]   # a compact server as a user runs it: no density read
+    assert "--enable-metrics" not in bare and bare[-2:] == ["--compact-selector", "dense"]
+    assert metered("compact") and not metered("compact-nometrics") and not metered("flashinfer-metrics")
 
 
 def test_round_ratios_pair_the_rounds_and_bound_their_median():

@@ -15,6 +15,15 @@ then a layer as the server runs it is called back to back: the layer's batch (`E
 * CUDA kernels per layer (torch profiler, 20 layers);
 * the top functions by own time (cProfile, 200 layers): what to take off the hot path.
 
+With `--path dense` (or `both`) it profiles instead (or too) the layer of a dense pass with no cached prefix, where
+`compact` must cost what stock SGLang costs (issue 13; Qwen2.5-0.5B heads, 14/2 x 64, page 32, one 4096-token
+chunk, as in the Qwen 4K / chunk 8192 TTFT point): our layer (`store_kv` with the page sums and key bounds, then
+`FlashInferExecutor.run_dense`, a planned ragged run on the chunk's K/V), its two parts apart (the store with and
+without summaries, the ragged run on fa3 and fa2), and stock SGLang's layer (its `store_cache` into an NHD pool,
+then FlashInfer's fa2 ragged wrapper planned once). Each also gets its GPU time per layer (the profiler's
+kernel time) beside the host time, and the pass's planning (`QBlocks.build`, `plan_forward`)
+its host time per pass.
+
 Writes `host_profile.json` and `host_profile.md` into --out.
 """
 
@@ -67,6 +76,90 @@ def make_layer(selector: str, params: dict, kernel: str, context: int, chunk: in
     return layer, ex.mode
 
 
+QWEN = dict(num_q_heads=14, num_kv_heads=2, head_dim=64, page_size=32)
+
+
+def dense_layers(tokens: int) -> list[tuple[str, object]]:
+    """(name, one layer) of a dense pass with no cached prefix over one `tokens`-token chunk, ours and stock's."""
+    from sglang_compact.batch import QBlocks
+    from sglang_compact.executors.flashinfer_adapter import ragged_wrapper
+    from sglang_compact.summaries import PageSummaries, store_kv
+    H_q, H_kv, D, P = QWEN["num_q_heads"], QWEN["num_kv_heads"], QWEN["head_dim"], QWEN["page_size"]
+    b = random_batch([0], [tokens], dtype=torch.bfloat16, device="cuda", seed=0, **QWEN)
+    b = dataclasses.replace(b, qblocks=b.qblocks.with_dense(range(b.qblocks.windows)), derived={})
+    q = torch.randn(tokens, H_q, D, dtype=torch.bfloat16, device="cuda")
+    k = torch.randn(tokens, H_kv, D, dtype=torch.bfloat16, device="cuda")   # the chunk's K/V after RoPE
+    v = torch.randn(tokens, H_kv, D, dtype=torch.bfloat16, device="cuda")
+    t = torch.arange(tokens, device="cuda")
+    loc = b.page_table[0].to("cuda").long()[t // P] * P + t % P
+    num_pages = b.k_pool.shape[0]
+    summaries = PageSummaries(1, num_pages, H_kv, D, "cuda", key_bounds=True, bounds_dtype=torch.bfloat16).layer(0)
+    executors = {}
+    for kernel in ("fa3-auto", "fa2"):
+        ex = make_flashinfer_executor(kernel, "cuda", b.num_rows, b.num_rows * b.qblocks.max_pages)
+        ex.plan_forward(ForwardShape.of(dataclasses.replace(b, q=q)), b.page_table)
+        executors[kernel] = ex
+
+    def ours(kernel="fa3-auto", summarize=True, attend=True):
+        def layer():
+            store_kv(b.k_pool, b.v_pool, loc, k, v, summaries if summarize else None)
+            if attend:
+                return executors[kernel].run_dense(q, b.k_pool, b.v_pool, chunk_kv=(k, v))
+        return layer
+
+    layers = [("compact dense layer (store with sums + bounds, fa3 ragged)", ours()),
+              ("compact dense layer, fa2 ragged", ours("fa2")),
+              ("  store_kv with sums + bounds", ours(attend=False)),
+              ("  store_kv without summaries", ours(summarize=False, attend=False))]
+    try:
+        from sglang.kernels.ops.kvcache.kvcache import can_use_store_cache, store_cache
+    except Exception as e:   # the bundle's SGLang is what the GPU host has; name what is missing
+        print(f"stock store_cache unavailable ({e}): stock rows use index_put", flush=True)
+        store_cache = None
+    nhd_k = torch.zeros(num_pages * P, H_kv * D, dtype=torch.bfloat16, device="cuda")
+    nhd_v = torch.zeros_like(nhd_k)
+    row_bytes = H_kv * D * 2
+    ws = torch.empty(128 << 20, dtype=torch.uint8, device="cuda")
+    stock_ragged = ragged_wrapper(ws, "fa2")
+    indptr = torch.tensor([0, tokens], dtype=torch.int32)
+    stock_ragged.plan(indptr, indptr, H_q, H_kv, D, causal=True, q_data_type=torch.bfloat16)
+
+    def stock(attend=True):
+        def layer():
+            if store_cache is not None and can_use_store_cache(row_bytes, row_bytes):
+                store_cache(k.reshape(-1, H_kv * D), v.reshape(-1, H_kv * D), nhd_k, nhd_v, loc,
+                            row_bytes=row_bytes, v_row_bytes=row_bytes, size_limit=nhd_k.shape[0])
+            else:
+                nhd_k[loc] = k.reshape(-1, H_kv * D)
+                nhd_v[loc] = v.reshape(-1, H_kv * D)
+            if attend:
+                return stock_ragged.run(q, k, v)
+        return layer
+
+    layers += [("stock layer (store_cache into NHD, fa2 ragged planned once)", stock()),
+               ("  stock store_cache", stock(attend=False))]
+
+    def plan_pass():
+        qb = QBlocks.build([0], [tokens], P, b.qblocks.window_pages, [(0, 0)])
+        bb = dataclasses.replace(b, q=q, qblocks=qb, derived={})
+        executors["fa3-auto"].plan_forward(ForwardShape.of(bb), b.page_table)
+    layers.append(("compact pass planning (QBlocks.build + plan_forward), per pass", plan_pass))
+    return layers
+
+
+def gpu_ms(fn, n: int = 20) -> float:
+    """Kernel time per call (the profiler's CUDA kernel durations, summed)."""
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            fn()
+        torch.cuda.synchronize()
+    return sum(e.time_range.elapsed_us() for e in prof.events()
+               if e.device_type == torch.autograd.DeviceType.CUDA) / n / 1e3
+
+
 def host_ms(fn, n: int) -> float:
     fn()
     torch.cuda.synchronize()
@@ -114,11 +207,21 @@ def main() -> int:
     ap.add_argument("--chunk", type=int, default=256)
     ap.add_argument("--layers", type=int, default=200)
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--path", choices=["sparse", "dense", "both"], default="sparse",
+                    help="profile the sparse path's layer (the default), a dense pass's layer against stock's, or both")
+    ap.add_argument("--dense-tokens", type=int, default=4096, help="the dense pass's chunk (no cached prefix)")
     a = ap.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     results = []
-    for selector, params, kernel in SELECTORS:
+    dense = []
+    if a.path in ("dense", "both"):
+        for name, fn in dense_layers(a.dense_tokens):
+            r = dict(name=name, tokens=a.dense_tokens, host_ms=host_ms(fn, a.layers), gpu_ms=gpu_ms(fn),
+                     kernels=kernels_per_layer(fn), top=top_functions(fn, a.layers, 12))
+            dense.append(r)
+            print(f"{name}: host {r['host_ms']:.3f} ms, GPU {r['gpu_ms']:.3f} ms, {r['kernels']:.1f} kernels", flush=True)
+    for selector, params, kernel in SELECTORS if a.path != "dense" else ():
         layer, mode = make_layer(selector, params, kernel, a.context, a.chunk)
         ms = host_ms(layer, a.layers)
         r = dict(selector=selector, params=params, kernel=kernel, mode=mode, context=a.context, chunk=a.chunk,
@@ -129,13 +232,24 @@ def main() -> int:
               flush=True)
     meta = dict(gpu=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                 command="python3 scripts/gpu/host_profile.py " + " ".join(sys.argv[1:]))
-    (out / "host_profile.json").write_text(json.dumps(dict(meta, results=results), indent=1))
-    lines = [f"# Sparse path host time per layer ({meta['gpu']}, {meta['date']})", "", f"`{meta['command']}`", "",
-             "| selector | parameters | rows kernel | plan | host ms / layer | CUDA kernels / layer |",
-             "| --- | --- | --- | --- | --- | --- |"]
-    lines += [f"| {r['selector']} | {json.dumps(r['params'])} | {r['kernel']} | {r['mode']} | "
-              f"{r['host_ms_per_layer']:.3f} | {r['kernels_per_layer']:.1f} |" for r in results]
-    summary = len(lines)   # the title, the command and the per-selector table
+    (out / "host_profile.json").write_text(json.dumps(dict(meta, results=results, dense=dense), indent=1))
+    lines = [f"# Host time per layer ({meta['gpu']}, {meta['date']})", "", f"`{meta['command']}`", ""]
+    if dense:
+        lines += [f"Dense pass, no cached prefix, {a.dense_tokens} tokens, Qwen2.5-0.5B heads (14/2 x 64, page 32):",
+                  "", "| layer | host ms | GPU ms | CUDA kernels |", "| --- | --- | --- | --- |"]
+        lines += [f"| {r['name']} | {r['host_ms']:.3f} | {r['gpu_ms']:.3f} | {r['kernels']:.1f} |" for r in dense]
+        lines.append("")
+    if results:
+        lines += ["Sparse path:", "",
+                  "| selector | parameters | rows kernel | plan | host ms / layer | CUDA kernels / layer |",
+                  "| --- | --- | --- | --- | --- | --- |"]
+        lines += [f"| {r['selector']} | {json.dumps(r['params'])} | {r['kernel']} | {r['mode']} | "
+                  f"{r['host_ms_per_layer']:.3f} | {r['kernels_per_layer']:.1f} |" for r in results]
+    summary = len(lines)   # the title, the command and the tables
+    for r in dense:
+        lines += ["", f"## {r['name'].strip()}: top functions by own time (per call)", "",
+                  "| function | calls | own us | cumulative us |", "| --- | --- | --- | --- |"]
+        lines += [f"| `{t['fn']}` | {t['calls']:.1f} | {t['own_us']:.1f} | {t['cum_us']:.1f} |" for t in r["top"]]
     for r in results:
         lines += ["", f"## {r['selector']} {json.dumps(r['params'])}: top functions by own time (per layer)", "",
                   "| function | calls | own us | cumulative us |", "| --- | --- | --- | --- |"]
