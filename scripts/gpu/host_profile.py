@@ -147,8 +147,8 @@ def dense_layers(tokens: int) -> list[tuple[str, object]]:
     return layers
 
 
-def gpu_ms(fn, n: int = 20) -> float:
-    """Kernel time per call (the profiler's CUDA kernel durations, summed)."""
+def cuda_kernels(fn, n: int = 20) -> list:
+    """The profiler's CUDA kernel events of n calls."""
     from torch.profiler import ProfilerActivity, profile
     fn()
     torch.cuda.synchronize()
@@ -156,8 +156,12 @@ def gpu_ms(fn, n: int = 20) -> float:
         for _ in range(n):
             fn()
         torch.cuda.synchronize()
-    return sum(e.time_range.elapsed_us() for e in prof.events()
-               if e.device_type == torch.autograd.DeviceType.CUDA) / n / 1e3
+    return [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+def gpu_ms(fn, n: int = 20) -> float:
+    """Kernel time per call (the profiler's CUDA kernel durations, summed)."""
+    return sum(e.time_range.elapsed_us() for e in cuda_kernels(fn, n)) / n / 1e3
 
 
 def host_ms(fn, n: int) -> float:
@@ -172,14 +176,7 @@ def host_ms(fn, n: int) -> float:
 
 
 def kernels_per_layer(fn, n: int = 20) -> float:
-    from torch.profiler import ProfilerActivity, profile
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(n):
-            fn()
-        torch.cuda.synchronize()
-    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA) / n
+    return len(cuda_kernels(fn, n)) / n
 
 
 def top_functions(fn, n: int, k: int) -> list[dict]:
