@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from sglang_compact.kernels.launch import Launcher
+
 
 @triton.jit
 def _dots(q_rows, q_off, m_ok, k_pool, pt_row, g, c, c_ok, stride_kp, stride_kh, R: tl.constexpr, SD: tl.constexpr,
@@ -110,6 +112,9 @@ def _page_mass_kernel(q_rows, k_pool, page_table, qb_req, qb_cand, row_weight, t
 DEFAULT_CONFIG = {"rows": 64, "BN": 128, "BK": 64, "num_warps": 8, "num_stages": 3}
 
 
+_page_mass_launch = Launcher(_page_mass_kernel)
+
+
 def qblocks_per_tile(group_size: int, rows_per_page: int, target_rows: int = DEFAULT_CONFIG["rows"]) -> int:
     """q-blocks per tile: as many as fill about `target_rows` rows (at least one; the rows are a power of
     two of at least 16, what tl.dot needs)."""
@@ -160,7 +165,8 @@ def page_mass(q_rows: torch.Tensor, k_pool: torch.Tensor, page_table: torch.Tens
     q_rows = q_rows.contiguous()
     BN = max(cfg["BN"], R)
     BK = min(cfg["BK"], SD)
-    _page_mass_kernel[(tiles.shape[0], H_kv)](
+    _page_mass_launch(
+        (tiles.shape[0], H_kv),
         q_rows, k_pool, page_table, qb_req, qb_cand, row_weight.contiguous(), tiles, out,
         k_pool.stride(0), k_pool.stride(1), page_table.stride(0), NQB, n_pages,
         float(scale) * 1.4426950408889634, G=group_size, GP=GP, R=R, RQ=RQ, SD=SD, QPT=qpt, BN=BN, BK=BK,

@@ -36,6 +36,8 @@ import torch
 import triton
 import triton.language as tl
 
+from sglang_compact.kernels.launch import Launcher
+
 SCORES, GROUP_SCORES, THRESHOLD, GROUP_RATIO = 0, 1, 2, 3
 
 
@@ -115,6 +117,9 @@ def _search_kernel(q, qb_req, qb_cand, qb_start, qb_len, page_table, key_sum, co
             _scores_out(out, q_pos, q_neg, m, l, r_ok, pt_row, key_sum, count, key_max, key_min, g, qi, sp, H_kv,
                         NQB, NKV, n_iter, qk_scale, alpha, offs_d, hc * GPC, hc > 0, G, GPC, D, BN, MODE, BQS,
                         SPLIT, BOUNDS)
+
+
+_search_launch = Launcher(_search_kernel)
 
 
 @triton.jit
@@ -281,7 +286,8 @@ def _launch(mode, q, qb, page_table, key_sum, count, sm_scale, num_kv_heads, n_p
     stats = torch.empty(split * num_kv_heads * NQB * 2 * GP * BQS, dtype=torch.float32, device=q.device) \
         if split > 1 else out
     for phase in ((1, 2) if split > 1 else (0,)):
-        _search_kernel[(num_kv_heads, NQB, split)](
+        _search_launch(
+            (num_kv_heads, NQB, split),
             q, qb["req"], qb["cand"], qb["start"], qb["length"], page_table, key_sum, count, key_max, key_min, out,
             stats,
             q.stride(0), q.stride(1), page_table.stride(0), H_q, num_kv_heads, NQB, n_pages, float(sm_scale),

@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from sglang_compact.kernels.launch import Launcher
+
 
 @triton.jit
 def _indices_kernel(table, kv_indptr, kv_indices, page_table, row_req, NW, NKV, H_kv, stride_pt,
@@ -29,6 +31,9 @@ def _indices_kernel(table, kv_indptr, kv_indices, page_table, row_req, NW, NKV, 
         page = tl.load(pt + j, mask=sel != 0, other=0)
         tl.store(kv_indices + pos, page * H_kv + g, mask=sel != 0)
         written += tl.sum(sel, axis=0)
+
+
+_indices_launch = Launcher(_indices_kernel)
 
 
 def build_indices(table: torch.Tensor, counts: torch.Tensor, page_table: torch.Tensor, row_req: torch.Tensor,
@@ -54,6 +59,6 @@ def build_indices(table: torch.Tensor, counts: torch.Tensor, page_table: torch.T
     if page_table.stride(1) != 1:
         page_table = page_table.contiguous()
     block_j = min(1024, triton.next_power_of_2(max(NKV, 1)))
-    _indices_kernel[(R,)](table.contiguous().view(torch.int8), kv_indptr, kv_indices, page_table,
-                          row_req.to(torch.int32), NW, NKV, H_kv, page_table.stride(0), BLOCK_J=block_j)
+    _indices_launch((R,), table.contiguous().view(torch.int8), kv_indptr, kv_indices, page_table,
+                    row_req.to(torch.int32), NW, NKV, H_kv, page_table.stride(0), BLOCK_J=block_j)
     return kv_indptr[:R + 1], kv_indices

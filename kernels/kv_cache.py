@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from sglang_compact.kernels.kv_cache_naive import check_summaries
+from sglang_compact.kernels.launch import Launcher
 
 
 @triton.jit
@@ -64,6 +65,9 @@ def _store_kv_kernel(k_pool, v_pool, loc, k, v, key_sum, count, key_max, key_min
                 tl.store(count + page, (off + 1).to(tl.int32))
 
 
+_store_kv_launch = Launcher(_store_kv_kernel)
+
+
 def store_kv(k_pool: torch.Tensor, v_pool: torch.Tensor, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              key_sum: torch.Tensor | None = None, count: torch.Tensor | None = None,
              key_max: torch.Tensor | None = None, key_min: torch.Tensor | None = None) -> None:
@@ -81,7 +85,7 @@ def store_kv(k_pool: torch.Tensor, v_pool: torch.Tensor, loc: torch.Tensor, k: t
         v = v.contiguous()
     summarize = key_sum is not None
     bounds = key_max is not None
-    _store_kv_kernel[(N, H)](k_pool, v_pool, loc, k, v, key_sum if summarize else k_pool,
-                             count if summarize else loc, key_max if bounds else k_pool,
-                             key_min if bounds else k_pool, N, H, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-                             P=P, D=D, SUMMARIZE=summarize, BOUNDS=bounds)
+    _store_kv_launch((N, H), k_pool, v_pool, loc, k, v, key_sum if summarize else k_pool,
+                     count if summarize else loc, key_max if bounds else k_pool,
+                     key_min if bounds else k_pool, N, H, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                     P=P, D=D, SUMMARIZE=summarize, BOUNDS=bounds)

@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from sglang_compact.kernels.launch import Launcher
+
 MAX_PAGES = 8192
 
 
@@ -81,6 +83,9 @@ def _top_pages_kernel(scores, counts, w_req, w_first, w_last, w_sparse, w_qlo, w
     tl.store(table + r.to(tl.int64) * NKV + j, in_table.to(tl.int8), mask=j < NKV)
 
 
+_top_pages_launch = Launcher(_top_pages_kernel)
+
+
 def supports(n_pages: int) -> bool:
     return n_pages <= MAX_PAGES
 
@@ -119,7 +124,8 @@ def top_pages(scores: torch.Tensor, qb: dict, counts: torch.Tensor, page_table: 
     if counts.dtype != torch.int32:
         counts = counts.to(torch.int32)
     block = max(16, triton.next_power_of_2(NKV))   # tl.sort and tl.cumsum on a tile of at least 16
-    _top_pages_kernel[(R,)](
+    _top_pages_launch(
+        (R,),
         scores, counts, qb["w_req"], qb["w_first"], qb["w_last"], qb["w_sparse"], qb["w_qlo"], qb["w_qhi"],
         page_table, kv_indptr, kv_indices, table.view(torch.int8), NW, NKV, num_kv_heads, H_s // num_kv_heads, S2,
         page_table.stride(0), sink_blocks, recent_blocks, int(apart), PER_QBLOCK=per_qblock, BLOCK=block, BR=256,

@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from sglang_compact.kernels.launch import Launcher
+
 
 @triton.jit
 def _union_kernel(mask, table, counts, w_first, w_last, w_sparse, w_qlo, w_qhi, NW, NQB, NKV, sink, recent,
@@ -41,6 +43,9 @@ def _union_kernel(mask, table, counts, w_first, w_last, w_sparse, w_qlo, w_qhi, 
     tl.atomic_add(counts + row, tl.sum(sel.to(tl.int32), axis=0))
 
 
+_union_launch = Launcher(_union_kernel)
+
+
 def union_table(mask: torch.Tensor, num_kv_heads: int, w: dict, sink_blocks: int,
                 recent_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as `union_naive.union_table`."""
@@ -53,7 +58,8 @@ def union_table(mask: torch.Tensor, num_kv_heads: int, w: dict, sink_blocks: int
     if R == 0 or NKV == 0:
         return table, counts
     block_j = min(1024, triton.next_power_of_2(NKV))
-    _union_kernel[(R, triton.cdiv(NKV, block_j))](
+    _union_launch(
+        (R, triton.cdiv(NKV, block_j)),
         mask.contiguous().view(torch.uint8), table.view(torch.int8), counts, w["w_first"], w["w_last"], w["w_sparse"],
         w["w_qlo"], w["w_qhi"], NW, NQB, NKV, sink_blocks, recent_blocks, G=G, BLOCK_J=block_j)
     return table, counts

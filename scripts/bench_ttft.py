@@ -35,7 +35,8 @@ metrics cost a stock server);
 (`--compact-selector dense`), `compact-budget-D` (`budget` at density D; `compact-mass_budget-D` and
 `compact-quest_budget-D` likewise), any of them with
 `-fa2` (`--compact-prefill-kernel fa2`), `-at0` (`--compact-min-context 0`: sparse from the start) or `-nometrics`
-(no `--enable-metrics`, as a user runs it by default: its rows have no density).
+(no `--enable-metrics`, as a user runs it by default: its rows have no density) or `-cachedlaunch`
+(`SGLANG_COMPACT_CACHED_LAUNCH=1`: our Triton kernels launched from their compiled kernels, `kernels/launch.py`).
 
 Rows `{"bench": "ttft", "model", "context", "chunk", "batch", "tp", "method", "density", "ms",
 "speedup_vs_flashinfer", "gpu", "date", ...}` are appended to `<out-dir>/speed.json`; the table goes
@@ -82,7 +83,8 @@ def method_args(method: str) -> tuple[str, list[str]]:
         raise ValueError(f"unknown method {method!r}")
     flags = ["--attention-backend", "compact", "--enable-metrics"]
     name = method
-    suffixes = {"-fa2": ["--compact-prefill-kernel", "fa2"], "-at0": ["--compact-min-context", "0"], "-nometrics": []}
+    suffixes = {"-fa2": ["--compact-prefill-kernel", "fa2"], "-at0": ["--compact-min-context", "0"], "-nometrics": [],
+                "-cachedlaunch": []}   # (an environment variable: method_env)
     while any(name.endswith(x) for x in suffixes):
         suffix = next(x for x in suffixes if name.endswith(x))
         name, flags = name[:-len(suffix)], flags + suffixes[suffix]
@@ -100,6 +102,12 @@ def method_args(method: str) -> tuple[str, list[str]]:
             return COMPACT, flags + ["--compact-selector", selector,
                                      "--compact-selector-params", json.dumps({"density": density})]
     raise ValueError(f"unknown method {method!r}")
+
+
+def method_env(method: str) -> dict[str, str]:
+    """The server's extra environment: `-cachedlaunch` launches our Triton kernels from their compiled kernels
+    (`kernels/launch.py`, off by default)."""
+    return {"SGLANG_COMPACT_CACHED_LAUNCH": "1"} if method.startswith("compact") and "-cachedlaunch" in method else {}
 
 
 def metered(method: str) -> bool:
@@ -230,7 +238,7 @@ def main() -> int:
             common.append("--disable-prefill-cuda-graph")
         common += a.extra_args.split()
         return start_server(module, model, common + flags, out / f"ttft_{name}_{method}_c{chunk}.log",
-                            timeout=a.start_timeout)
+                            timeout=a.start_timeout, env=method_env(method))
 
     def round_(srv, n_tokens: int, n_req: int) -> float:
         prompts = [[rng.randrange(*vocab) for _ in range(n_tokens)] for _ in range(n_req)]

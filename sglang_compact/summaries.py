@@ -89,9 +89,13 @@ class PageSummaries:
         return num_layers * num_pages * per_page
 
     def layer(self, layer: int) -> LayerSummaries:
-        if self.key_max is None:
-            return LayerSummaries(self.key_sum[layer], self.count[layer])
-        return LayerSummaries(self.key_sum[layer], self.count[layer], self.key_max[layer], self.key_min[layer])
+        """Layer `layer`'s tables (views, made once: every layer of every forward pass asks for them)."""
+        views = self.__dict__.get("_layers")
+        if views is None:
+            bounds = (lambda i: (self.key_max[i], self.key_min[i])) if self.key_max is not None else lambda i: ()
+            views = self._layers = [LayerSummaries(self.key_sum[i], self.count[i], *bounds(i))
+                                    for i in range(self.count.shape[0])]
+        return views[layer]
 
 
 def store_kv(k_pool: torch.Tensor, v_pool: torch.Tensor, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

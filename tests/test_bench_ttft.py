@@ -9,7 +9,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from bench_ttft import COMPACT, STOCK, metered, method_args, round_ratios  # noqa: E402
+from bench_ttft import COMPACT, STOCK, metered, method_args, method_env, round_ratios  # noqa: E402
 
 
 def test_method_names():
@@ -31,6 +31,8 @@ def test_method_names():
     bare = method_args("compact-dense-nometrics")[1]   # a compact server as a user runs it: no density read
     assert "--enable-metrics" not in bare and bare[-2:] == ["--compact-selector", "dense"]
     assert metered("compact") and not metered("compact-nometrics") and not metered("flashinfer-metrics")
+    assert method_args("compact-cachedlaunch") == method_args("compact")
+    assert method_env("compact-dense-cachedlaunch") == {"SGLANG_COMPACT_CACHED_LAUNCH": "1"} and not method_env("compact")
 
 
 def test_round_ratios_pair_the_rounds_and_bound_their_median():

@@ -540,3 +540,37 @@ def test_row_reshapes_round_trip():
 def test_windows_of_a_pass_match_the_executors_plan():
     qb = QBlocks.build([0, 100, 4096], [130, 60, 1024], P)
     assert qb.rows_qo_indptr(2, 1214)[-1] == 2 * 1214 and len(qb.last_page_len()) == qb.windows
+
+
+@pytest.mark.parametrize("selector", ["quest_budget", "flashprefill", "mass_budget", "budget"])
+def test_cached_launch_equals_tritons_launch(selector, monkeypatch):
+    """`kernels/launch.py`: with the cached launch on, a store and a selection whose kernels launch from the cache
+    (second and later calls of a signature) give bit for bit what Triton's own launch gives."""
+    from sglang_compact.kernels import kv_cache
+    from sglang_compact.kernels.launch import Launcher
+    b = gpu_batch([20000 + 5, 9000], [1024, 1024], 16, 4, 128, seed=5)
+    summaries = batch_summaries(b)
+    ca = CompactAttention(CompactConfig(block_size=P, selector=selector))
+    T, H = 777, b.num_kv_heads
+    k = torch.randn(T, H, b.head_dim, device="cuda", dtype=b.k_pool.dtype)
+    loc = torch.arange(T, device="cuda") + 3 * P + 5   # one request's slots, from the middle of a page
+
+    def run():
+        kp, vp = b.k_pool.clone(), b.v_pool.clone()
+        ks = torch.zeros(kp.shape[0], H, b.head_dim, device="cuda")
+        cnt = torch.zeros(kp.shape[0], dtype=torch.int32, device="cuda")
+        kmax, kmin = torch.zeros_like(ks, dtype=kp.dtype), torch.zeros_like(ks, dtype=kp.dtype)
+        for _ in range(3):
+            kv_cache.store_kv(kp, vp, loc, k, k, ks, cnt, kmax, kmin)
+            sel = ca.select_pages(b, 1, summaries)
+        torch.cuda.synchronize()
+        indptr = sel.indices.kv_indptr
+        return kp, vp, ks, cnt, kmax, kmin, sel.table, indptr, sel.indices.kv_indices[:int(indptr[-1])]
+
+    monkeypatch.setattr(Launcher, "enabled", False)
+    want = run()
+    monkeypatch.setattr(Launcher, "enabled", True)
+    got = run()
+    assert kv_cache._store_kv_launch._compiled, "the store never launched from the cache"
+    for x, y in zip(got, want):
+        assert torch.equal(x, y)

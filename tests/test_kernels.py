@@ -480,3 +480,66 @@ def test_top_pages_keeps_the_best_scores():
     table, kp, ki = top_pages_naive.top_pages(scores, d, torch.tensor([6]), torch.arange(9)[None].int(), 1, 1, 1)
     assert table[0, 0].nonzero().flatten().tolist() == [0, 1, 3, 4, 7, 8]
     assert kp.tolist() == [0, 6] and ki.tolist() == [0, 1, 3, 4, 7, 8]
+
+
+LAUNCH_ARGS = [0, 1, 2, 15, 16, 17, 48, (1 << 31) - 1, 1 << 31, -(1 << 31), -(1 << 31) - 1, 1 << 63, (1 << 64) - 1,
+               True, False, 0.5, 1.0, None]
+
+
+def test_launcher_key_is_at_least_as_fine_as_tritons():
+    """Two arguments the cached launch cannot tell apart are ones Triton's own specializer does not tell apart
+    either, so a cached compiled kernel is the one Triton would pick (kernels/launch.py)."""
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend
+    from sglang_compact.kernels.launch import _arg_key
+    base = torch.zeros(64, dtype=torch.float32)
+    tensors = [base[i:] for i in range(5)] + [base.view(torch.int32)[i:] for i in range(5)] + \
+        [base.view(torch.bfloat16)[i:] for i in range(9)] + [torch.zeros(8, dtype=torch.int64)[i:] for i in range(3)]
+    values = LAUNCH_ARGS + tensors
+    triton_key = lambda x: native_specialize_impl(BaseBackend, x, False, True, True)  # noqa: E731
+    distinct = 0
+    for a in values:
+        for b in values:
+            if _arg_key(a, False) == _arg_key(b, False):
+                assert triton_key(a) == triton_key(b), (a, b)
+            else:
+                distinct += 1
+    assert distinct > len(values) ** 2 // 2   # the key does tell most of them apart (it is not one constant)
+    assert _arg_key(4, True) != _arg_key(8, True) and _arg_key(4, True) == _arg_key(4, True)   # constexprs by value
+
+
+def test_launcher_keys_a_call_by_every_parameter_and_option():
+    from sglang_compact.kernels.launch import Launcher
+    from triton.runtime.jit import JITFunction
+    launch = kv_cache._store_kv_launch
+    if launch._names is None:   # Triton's interpreter (no parameter list): the compiled kernel's launcher
+        launch = Launcher(JITFunction(kv_cache._store_kv_kernel.fn))
+    pool = torch.zeros(4, 2, 8, 16)
+    loc, k = torch.arange(8), torch.zeros(8, 2, 16)
+    args = (pool, pool, loc, k, k, pool, loc, pool, pool, 8, 2, 32, 16, 32, 16)
+    kw = dict(P=8, D=16, SUMMARIZE=False, BOUNDS=False)
+    key = launch.key(args, kw)
+    assert key == launch.key(args, dict(kw)) and hash(key) is not None
+    assert launch.key(args, dict(kw, BOUNDS=True)) != key                       # a constexpr
+    assert launch.key(args, dict(kw, num_warps=8)) != key                       # a launch option
+    assert launch.key(args[:-1] + (17,), kw) != key                             # an int's divisibility
+    assert launch.key((pool[1:],) + args[1:], kw) is not None
+    assert launch.key(args, {k2: v2 for k2, v2 in kw.items() if k2 != "BOUNDS"}) is None   # a parameter left out
+
+
+@pytest.mark.parametrize("enabled", [False, True])
+def test_store_kv_through_the_launcher_equals_reference(enabled, monkeypatch):
+    """With the cached launch on, the interpreter still takes Triton's path (nothing to cache) and the store
+    equals its torch twin (on a GPU the cached path itself is checked in tests/test_gpu_core.py)."""
+    from sglang_compact.kernels.launch import Launcher
+    monkeypatch.setattr(Launcher, "enabled", enabled)
+    loc, k, v, cuts, shape = write_stream(0)
+    pages, H, P, D = shape
+    state = [(torch.zeros(shape), torch.zeros(shape), torch.zeros(pages, H, D), torch.zeros(pages, dtype=torch.int32))
+             for _ in range(2)]
+    for impl, (kp, vp, ks, cnt) in zip((kv_cache, kv_cache_naive), state):
+        for _ in range(2):   # the second call of a signature is the one a GPU launches from the cache
+            for a, b in zip(cuts, cuts[1:]):
+                impl.store_kv(kp, vp, loc[a:b], k[a:b], v[a:b], ks, cnt)
+    for x, y in zip(*state):
+        torch.testing.assert_close(x, y, rtol=1e-6, atol=1e-5)

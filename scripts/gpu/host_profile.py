@@ -6,7 +6,8 @@
 
 For each selector (`budget` 0.3 on fa3 rows planned once, `mass_budget` and `quest_budget` 0.33 on fa3 rows,
 `flashprefill` on fa2 rows, and `flashprefill` with `fix_rows` on fa3 rows: a layer after the observing one,
-filling its rows) one sparse forward pass of Llama-3.1-8B heads (32/8 x 128, page 64) is planned at a size where launches,
+filling its rows; `quest_budget` once more with our Triton kernels launched from their compiled kernels,
+`kernels/launch.py`) one sparse forward pass of Llama-3.1-8B heads (32/8 x 128, page 64) is planned at a size where launches,
 not kernels, bound a layer (context 4096, chunk 256: the size `calibrate_gate.py` takes its host time at), and
 then a layer as the server runs it is called back to back: the layer's batch (`ExtendPlanner._layer_batch`),
 `CompactAttention.select_pages` and `executor.run`, with no sync between layers. Reported per selector:
@@ -51,7 +52,7 @@ from sglang_compact.executors import ForwardShape  # noqa: E402
 from sglang_compact.executors.flashinfer_executor import make_flashinfer_executor  # noqa: E402
 
 SELECTORS = (("budget", {"density": 0.3}, "fa3"), ("mass_budget", {"density": 0.33}, "fa3"),
-             ("quest_budget", {"density": 0.33}, "fa3"),
+             ("quest_budget", {"density": 0.33}, "fa3"), ("quest_budget", {"density": 0.33, "cached_launch": True}, "fa3"),
              ("flashprefill", {"alpha": 0.4}, "fa2"), ("flashprefill", {"alpha": 0.4, "fix_rows": True}, "fa3"))
 
 
@@ -60,6 +61,8 @@ def make_layer(selector: str, params: dict, kernel: str, context: int, chunk: in
     b = random_batch([context - chunk], [chunk], num_q_heads=32, num_kv_heads=8, head_dim=128, page_size=64,
                      dtype=torch.bfloat16, device="cuda", seed=0, structured=True)
     s = batch_summaries(b)
+    cached = params.get("cached_launch", False)   # not a selector parameter: our kernels' launch path
+    params = {k: v for k, v in params.items() if k != "cached_launch"}
     ca = CompactAttention(CompactConfig(block_size=64, selector=selector, selector_params=params))
     ex = make_flashinfer_executor(kernel, "cuda", b.num_rows, b.num_rows * b.qblocks.max_pages)
     row_pages, fill = ca.row_pages(b), None
@@ -73,7 +76,7 @@ def make_layer(selector: str, params: dict, kernel: str, context: int, chunk: in
         sel = ca.select_pages(batch, 3, s, buffers=ex.index_buffers, with_stats=False, fill=fill)
         return ex.run(batch, sel.indices)
 
-    return layer, ex.mode
+    return (cached_launch(layer) if cached else layer), ex.mode
 
 
 QWEN = dict(num_q_heads=14, num_kv_heads=2, head_dim=64, page_size=32)
@@ -108,8 +111,10 @@ def dense_layers(tokens: int) -> list[tuple[str, object]]:
         return layer
 
     layers = [("compact dense layer (store with sums + bounds, fa3 ragged)", ours()),
+              ("compact dense layer, cached Triton launch", cached_launch(ours())),
               ("compact dense layer, fa2 ragged", ours("fa2")),
               ("  store_kv with sums + bounds", ours(attend=False)),
+              ("  store_kv with sums + bounds, cached Triton launch", cached_launch(ours(attend=False))),
               ("  store_kv without summaries", ours(summarize=False, attend=False))]
     try:
         from sglang.kernels.ops.kvcache.kvcache import can_use_store_cache, store_cache
@@ -157,6 +162,19 @@ def cuda_kernels(fn, n: int = 20) -> list:
             fn()
         torch.cuda.synchronize()
     return [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+def cached_launch(fn):
+    """fn with our Triton kernels launched from their compiled kernels (`kernels/launch.py`)."""
+    from sglang_compact.kernels.launch import Launcher
+
+    def call():
+        was, Launcher.enabled = Launcher.enabled, True
+        try:
+            return fn()
+        finally:
+            Launcher.enabled = was
+    return call
 
 
 def gpu_ms(fn, n: int = 20) -> float:

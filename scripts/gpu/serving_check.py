@@ -50,14 +50,16 @@ from harness.server import GenerateResult, SGLangServer  # noqa: E402
 DEVICE = {"device": "cuda", "dtype": None}
 
 
-def start_server(module: str, model, args: list[str], log_path: Path, timeout: float = 600) -> SGLangServer:
-    """A started server of `module` on `model` with exactly `args` (SGLang's defaults otherwise), its output in
-    `log_path`; stopped with SIGTERM, then its process group killed after 30 s."""
+def start_server(module: str, model, args: list[str], log_path: Path, timeout: float = 600,
+                 env: dict | None = None) -> SGLangServer:
+    """A started server of `module` on `model` with exactly `args` (SGLang's defaults otherwise; `env`: extra
+    environment variables), its output in `log_path`; stopped with SIGTERM, then its process group killed
+    after 30 s."""
     cpu = DEVICE["device"] == "cpu"
     return SGLangServer(model, module=module, device=DEVICE["device"], dtype=DEVICE["dtype"],
                         max_total_tokens=8192 if cpu else None, max_running_requests=8 if cpu else None,
                         extra_args=args, log_path=log_path, start_timeout=timeout, request_timeout=1200,
-                        stop_grace=30.0).start()
+                        stop_grace=30.0, env=env).start()
 
 
 def generate(srv: SGLangServer, ids: list[int], n: int, logprobs: bool = False) -> GenerateResult:
