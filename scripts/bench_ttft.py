@@ -35,8 +35,9 @@ metrics cost a stock server);
 (`--compact-selector dense`), `compact-budget-D` (`budget` at density D; `compact-mass_budget-D` and
 `compact-quest_budget-D` likewise), any of them with
 `-fa2` (`--compact-prefill-kernel fa2`), `-at0` (`--compact-min-context 0`: sparse from the start) or `-nometrics`
-(no `--enable-metrics`, as a user runs it by default: its rows have no density) or `-cachedlaunch`
-(`SGLANG_COMPACT_CACHED_LAUNCH=1`: our Triton kernels launched from their compiled kernels, `kernels/launch.py`).
+(no `--enable-metrics`, as a user runs it by default: its rows have no density), `-cachedlaunch`
+(`SGLANG_COMPACT_CACHED_LAUNCH=1`: our Triton kernels launched from their compiled kernels, `kernels/launch.py`) or
+`-pagedstore` (`SGLANG_COMPACT_PAGED_STORE=1`: the KV store by page runs, `kernels/kv_cache.py`).
 
 Rows `{"bench": "ttft", "model", "context", "chunk", "batch", "tp", "method", "density", "ms",
 "speedup_vs_flashinfer", "gpu", "date", ...}` are appended to `<out-dir>/speed.json`; the table goes
@@ -68,6 +69,12 @@ STOCK = "sglang.launch_server"
 COMPACT = "sglang_compact.launch_server"
 
 
+# method suffixes that set a compact server's environment: our Triton kernels launched from their compiled kernels
+# (`kernels/launch.py`), the KV store by page runs (`kernels/kv_cache.py`); both off by default
+ENV_SUFFIXES = {"-cachedlaunch": {"SGLANG_COMPACT_CACHED_LAUNCH": "1"},
+                "-pagedstore": {"SGLANG_COMPACT_PAGED_STORE": "1"}}
+
+
 def method_args(method: str) -> tuple[str, list[str]]:
     """(module, backend flags) of a method name (see the module docstring)."""
     if method == "flashinfer-again":   # a second stock server: the spread between two identical servers
@@ -84,7 +91,7 @@ def method_args(method: str) -> tuple[str, list[str]]:
     flags = ["--attention-backend", "compact", "--enable-metrics"]
     name = method
     suffixes = {"-fa2": ["--compact-prefill-kernel", "fa2"], "-at0": ["--compact-min-context", "0"], "-nometrics": [],
-                "-cachedlaunch": []}   # (an environment variable: method_env)
+                **dict.fromkeys(ENV_SUFFIXES, [])}   # (environment variables: method_env)
     while any(name.endswith(x) for x in suffixes):
         suffix = next(x for x in suffixes if name.endswith(x))
         name, flags = name[:-len(suffix)], flags + suffixes[suffix]
@@ -105,9 +112,10 @@ def method_args(method: str) -> tuple[str, list[str]]:
 
 
 def method_env(method: str) -> dict[str, str]:
-    """The server's extra environment: `-cachedlaunch` launches our Triton kernels from their compiled kernels
-    (`kernels/launch.py`, off by default)."""
-    return {"SGLANG_COMPACT_CACHED_LAUNCH": "1"} if method.startswith("compact") and "-cachedlaunch" in method else {}
+    """The server's extra environment (ENV_SUFFIXES)."""
+    if not method.startswith("compact"):
+        return {}
+    return {k: v for suffix, env in ENV_SUFFIXES.items() if suffix in method for k, v in env.items()}
 
 
 def metered(method: str) -> bool:
@@ -395,8 +403,8 @@ def main() -> int:
             f"{'' if r['interleaved_with_flashinfer'] else ', not interleaved'})")
         num = lambda x: "n/a" if x is None else f"{x:.2f}"   # noqa: E731  (a compact server without metrics)
         lines.append(f"| {r['context']} | {r['chunk']} | {r['batch']} | {r['method']} | {num(r['density'])} | "
-                     f"{num(r['sparse_qblocks'])} | {num(r.get('dense_density_qblocks', 0.0))} | {r['ms']:.1f} | {sp} | "
-                     f"{paired} |")
+                     f"{num(r['sparse_qblocks'])} | {num(r.get('dense_density_qblocks', 0.0))} | {r['ms']:.1f} | "
+                     f"{sp} | {paired} |")
     (out / f"{a.name}.md").write_text("\n".join(lines) + "\n")
     if profiles:
         (out / f"profile_{a.name}.json").write_text(json.dumps(profiles, indent=1))

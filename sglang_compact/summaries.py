@@ -19,6 +19,7 @@ The bounds are of the keys as the pool stores them, so in the pool's dtype they 
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -98,13 +99,27 @@ class PageSummaries:
         return views[layer]
 
 
+PAGED_STORE = os.environ.get("SGLANG_COMPACT_PAGED_STORE", "0") == "1"
+
+
+def store_segments(loc: torch.Tensor, page_size: int, prefix_lens, chunk_lens) -> torch.Tensor | None:
+    """The runs of a forward pass's write for `store_kv(segments=...)` (`kv_cache.page_segments`), made once per
+    pass: None unless the paged store is on (`SGLANG_COMPACT_PAGED_STORE=1`) and the pool is on CUDA. Tokens past
+    the requests' chunks (a CUDA-graph bucket's padding) may each be a run of their own."""
+    if not (PAGED_STORE and use_triton(loc)):
+        return None
+    P = page_size
+    runs = sum(-(-(int(L) % P + int(C)) // P) for L, C in zip(prefix_lens, chunk_lens))
+    return kv_cache_kernel.page_segments(loc, P, runs + max(0, loc.numel() - sum(int(C) for C in chunk_lens)))
+
+
 def store_kv(k_pool: torch.Tensor, v_pool: torch.Tensor, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             summaries: LayerSummaries | None = None) -> None:
+             summaries: LayerSummaries | None = None, segments: torch.Tensor | None = None) -> None:
     """Write tokens into a head-major pool `[num_pages, H_kv, P, D]` at slots `loc`, refreshing the
     summaries of the pages the write ends in (one launch on CUDA); key bounds too where `summaries`
-    has them."""
-    impl = kv_cache_kernel.store_kv if use_triton(k_pool) else kv_cache_naive.store_kv
-    if summaries is None:
-        impl(k_pool, v_pool, loc, k, v)
+    has them. `segments` (`store_segments` of this `loc`): on CUDA, the store by page runs."""
+    sums = () if summaries is None else (summaries.key_sum, summaries.count, summaries.key_max, summaries.key_min)
+    if use_triton(k_pool):
+        kv_cache_kernel.store_kv(k_pool, v_pool, loc, k, v, *sums, segments=segments)
     else:
-        impl(k_pool, v_pool, loc, k, v, summaries.key_sum, summaries.count, summaries.key_max, summaries.key_min)
+        kv_cache_naive.store_kv(k_pool, v_pool, loc, k, v, *sums)

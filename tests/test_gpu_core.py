@@ -574,3 +574,43 @@ def test_cached_launch_equals_tritons_launch(selector, monkeypatch):
     assert kv_cache._store_kv_launch._compiled, "the store never launched from the cache"
     for x, y in zip(got, want):
         assert torch.equal(x, y)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_paged_store_equals_the_per_token_store_on_gpu(dtype):
+    """`kv_cache.store_kv` by page runs (one program per run) against the per-token store, a forward pass's write of
+    three requests continuing their prefixes: pools, counts and key bounds bit for bit, sums to float32 rounding."""
+    from sglang_compact.kernels import kv_cache
+    from sglang_compact.summaries import store_segments
+    import sglang_compact.summaries as summaries_mod
+    g = torch.Generator().manual_seed(0)
+    P, H, D = 32, 2, 64
+    prefix, chunk = [0, 45, 1000], [4096, 1003, 77]
+    pages = sum(cdiv(L + C, P) for L, C in zip(prefix, chunk)) + 4
+    perm, used, loc = torch.randperm(pages, generator=g), 0, []
+    for L, C in zip(prefix, chunk):
+        ids = perm[used:used + cdiv(L + C, P)]
+        used += len(ids)
+        loc += [int(ids[t // P]) * P + t % P for t in range(L, L + C)]
+    loc = torch.tensor(loc, device="cuda")
+    k = torch.randn(len(loc), H, D, device="cuda", dtype=dtype)
+    v = torch.randn(len(loc), H, D, device="cuda", dtype=dtype)
+    pool0 = torch.randn(pages, H, P, D, device="cuda", dtype=dtype)
+    summaries_mod.PAGED_STORE, was = True, summaries_mod.PAGED_STORE
+    try:
+        runs = store_segments(loc, P, prefix, chunk)
+    finally:
+        summaries_mod.PAGED_STORE = was
+    outs = []
+    for paged in (True, False):
+        kp, vp = pool0.clone(), torch.zeros_like(pool0)
+        ks = torch.zeros(pages, H, D, device="cuda")
+        cnt = torch.zeros(pages, dtype=torch.int32, device="cuda")
+        kmax, kmin = torch.zeros(pages, H, D, device="cuda", dtype=dtype), torch.zeros(pages, H, D, device="cuda",
+                                                                                          dtype=dtype)
+        for _ in range(2):   # the second launch of each comes from the cache when the cached launch is on
+            kv_cache.store_kv(kp, vp, loc, k, v, ks, cnt, kmax, kmin, segments=runs if paged else None)
+        outs.append((kp, vp, cnt, kmax, kmin, ks))
+    for x, y in zip(outs[0][:-1], outs[1][:-1]):
+        assert torch.equal(x, y)
+    torch.testing.assert_close(outs[0][-1], outs[1][-1], rtol=1e-6, atol=1e-5)

@@ -20,10 +20,11 @@ With `--path dense` (or `both`) it profiles instead (or too) the layer of a dens
 `compact` must cost what stock SGLang costs (issue 13; Qwen2.5-0.5B heads, 14/2 x 64, page 32, one 4096-token
 chunk, as in the Qwen 4K / chunk 8192 TTFT point): our layer (`store_kv` with the page sums and key bounds, then
 `FlashInferExecutor.run_dense`, a planned ragged run on the chunk's K/V), its two parts apart (the store with and
-without summaries, the ragged run on fa3 and fa2), and stock SGLang's layer (its `store_cache` into an NHD pool,
-then FlashInfer's fa2 ragged wrapper planned once). Each also gets its GPU time per layer (the profiler's
-kernel time) beside the host time, and the pass's planning (`QBlocks.build`, `plan_forward`)
-its host time per pass.
+without summaries, the ragged run on fa3 and fa2), the same with the store by page runs
+(`kv_cache.store_kv(segments=...)`) and with the cached Triton launch, and stock SGLang's layer (its
+`store_cache` into an NHD pool, then FlashInfer's fa2 ragged wrapper planned once). Each also gets its GPU time
+per layer (the profiler's kernel time) beside the host time, and the pass's planning (`QBlocks.build`,
+`plan_forward`) its host time per pass.
 
 Writes `host_profile.json` and `host_profile.md` into --out.
 """
@@ -52,7 +53,8 @@ from sglang_compact.executors import ForwardShape  # noqa: E402
 from sglang_compact.executors.flashinfer_executor import make_flashinfer_executor  # noqa: E402
 
 SELECTORS = (("budget", {"density": 0.3}, "fa3"), ("mass_budget", {"density": 0.33}, "fa3"),
-             ("quest_budget", {"density": 0.33}, "fa3"), ("quest_budget", {"density": 0.33, "cached_launch": True}, "fa3"),
+             ("quest_budget", {"density": 0.33}, "fa3"),
+             ("quest_budget", {"density": 0.33, "cached_launch": True}, "fa3"),
              ("flashprefill", {"alpha": 0.4}, "fa2"), ("flashprefill", {"alpha": 0.4, "fix_rows": True}, "fa3"))
 
 
@@ -103,9 +105,12 @@ def dense_layers(tokens: int) -> list[tuple[str, object]]:
         ex.plan_forward(ForwardShape.of(dataclasses.replace(b, q=q)), b.page_table)
         executors[kernel] = ex
 
-    def ours(kernel="fa3-auto", summarize=True, attend=True):
+    from sglang_compact.kernels.kv_cache import page_segments
+    runs = page_segments(loc, P, -(-tokens // P))   # made once per forward pass
+
+    def ours(kernel="fa3-auto", summarize=True, attend=True, paged=False):
         def layer():
-            store_kv(b.k_pool, b.v_pool, loc, k, v, summaries if summarize else None)
+            store_kv(b.k_pool, b.v_pool, loc, k, v, summaries if summarize else None, runs if paged else None)
             if attend:
                 return executors[kernel].run_dense(q, b.k_pool, b.v_pool, chunk_kv=(k, v))
         return layer
@@ -115,7 +120,12 @@ def dense_layers(tokens: int) -> list[tuple[str, object]]:
               ("compact dense layer, fa2 ragged", ours("fa2")),
               ("  store_kv with sums + bounds", ours(attend=False)),
               ("  store_kv with sums + bounds, cached Triton launch", cached_launch(ours(attend=False))),
-              ("  store_kv without summaries", ours(summarize=False, attend=False))]
+              ("  store_kv without summaries", ours(summarize=False, attend=False)),
+              ("compact dense layer, paged store", ours(paged=True)),
+              ("compact dense layer, paged store + cached Triton launch", cached_launch(ours(paged=True))),
+              ("  paged store with sums + bounds", ours(attend=False, paged=True)),
+              ("  paged store runs of the pass (page_segments), per pass",
+               lambda: page_segments(loc, P, -(-tokens // P)))]
     try:
         from sglang.kernels.ops.kvcache.kvcache import can_use_store_cache, store_cache
     except Exception as e:   # the bundle's SGLang is what the GPU host has; name what is missing
@@ -235,7 +245,8 @@ def main() -> int:
             r = dict(name=name, tokens=a.dense_tokens, host_ms=host_ms(fn, a.layers), gpu_ms=gpu_ms(fn),
                      kernels=kernels_per_layer(fn), top=top_functions(fn, a.layers, 12))
             dense.append(r)
-            print(f"{name}: host {r['host_ms']:.3f} ms, GPU {r['gpu_ms']:.3f} ms, {r['kernels']:.1f} kernels", flush=True)
+            print(f"{name}: host {r['host_ms']:.3f} ms, GPU {r['gpu_ms']:.3f} ms, {r['kernels']:.1f} kernels",
+                  flush=True)
     for selector, params, kernel in SELECTORS if a.path != "dense" else ():
         layer, mode = make_layer(selector, params, kernel, a.context, a.chunk)
         ms = host_ms(layer, a.layers)
