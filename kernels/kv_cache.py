@@ -11,13 +11,6 @@ ones from the pool, and reduces them. A fixed order makes a page's summary
 independent of how its tokens were split across writes (chunks, decode steps),
 which the selection's reproducibility relies on. The bounds are taken over the
 keys as the pool holds them (cast to its dtype), so they are exact in it.
-
-`store_kv(segments=...)` is the same store by page: given the write's runs (`page_segments`: the first
-token of each run of consecutive slots in one page, found once per forward pass), program (s, h) stores run
-s's tokens of head h as one [P, D] tile and reduces that tile, with the page's earlier offsets read from the
-pool, into the page's summary: (cdiv(N, P) + requests) x H programs where the store above runs N x H, each
-summary from registers rather than from the inputs again. The server uses it with
-`SGLANG_COMPACT_PAGED_STORE=1` (off until the H200 has timed and checked it).
 """
 
 from __future__ import annotations
@@ -75,71 +68,10 @@ def _store_kv_kernel(k_pool, v_pool, loc, k, v, key_sum, count, key_max, key_min
 _store_kv_launch = Launcher(_store_kv_kernel)
 
 
-@triton.jit
-def _store_kv_pages_kernel(k_pool, v_pool, loc, seg, k, v, key_sum, count, key_max, key_min, N, H,
-                           stride_kt, stride_kh, stride_vt, stride_vh,
-                           P: tl.constexpr, D: tl.constexpr, SUMMARIZE: tl.constexpr, BOUNDS: tl.constexpr):
-    s = tl.program_id(0)
-    h = tl.program_id(1)
-    start = tl.load(seg + s)
-    if start < N:
-        n_tok = tl.load(seg + s + 1) - start
-        slot0 = tl.load(loc + start).to(tl.int64)
-        page = slot0 // P
-        off0 = slot0 % P
-        offs_p = tl.arange(0, P)
-        offs_d = tl.arange(0, D)
-        mine = (offs_p >= off0) & (offs_p < off0 + n_tok)          # the offsets this run writes
-        t = tl.where(mine, start + offs_p - off0, 0).to(tl.int64)   # their input tokens
-        kin = tl.load(k + t[:, None] * stride_kt + h * stride_kh + offs_d[None, :], mask=mine[:, None], other=0.0)
-        vin = tl.load(v + t[:, None] * stride_vt + h * stride_vh + offs_d[None, :], mask=mine[:, None], other=0.0)
-        dst = ((page * H + h) * P + offs_p)[:, None] * D + offs_d[None, :]
-        kc = kin.to(k_pool.dtype.element_ty)
-        tl.store(k_pool + dst, kc, mask=mine[:, None])
-        tl.store(v_pool + dst, vin.to(v_pool.dtype.element_ty), mask=mine[:, None])
-        if SUMMARIZE:
-            # offsets 0..off0 + n_tok - 1 in offset order: the earlier ones from the pool, this run's from registers
-            upto = offs_p < off0 + n_tok
-            x_pool = tl.load(k_pool + dst, mask=(offs_p < off0)[:, None], other=0.0).to(tl.float32)
-            x = tl.where(mine[:, None], kc.to(tl.float32), x_pool)
-            tl.store(key_sum + (page * H + h) * D + offs_d, tl.sum(x, axis=0))
-            if BOUNDS:
-                hi = tl.max(tl.where(upto[:, None], x, float("-inf")), axis=0)
-                lo = tl.min(tl.where(upto[:, None], x, float("inf")), axis=0)
-                tl.store(key_max + (page * H + h) * D + offs_d, hi.to(key_max.dtype.element_ty))
-                tl.store(key_min + (page * H + h) * D + offs_d, lo.to(key_min.dtype.element_ty))
-            if h == 0:
-                tl.store(count + page, (off0 + n_tok).to(tl.int32))
-
-
-_store_kv_pages_launch = Launcher(_store_kv_pages_kernel)
-
-
-def page_segments(loc: torch.Tensor, page_size: int, max_segments: int) -> torch.Tensor:
-    """int32 [max_segments + 1]: the first token of each run of consecutive slots within one page of the write
-    `loc` (its tokens in order), then N as padding. A write of requests whose positions map to page offsets
-    (SGLang's paged pool: slot % page_size == position % page_size) has at most sum over requests of
-    cdiv(first offset + tokens, page_size) runs; more than `max_segments` stops the device (an async assert,
-    no sync) rather than leave tokens unstored. One page's tokens must form one run, as SGLang writes them."""
-    N = loc.numel()
-    loc = loc.long()
-    brk = torch.ones(N, dtype=torch.bool, device=loc.device)
-    if N > 1:
-        brk[1:] = (loc[1:] != loc[:-1] + 1) | (loc[1:] // page_size != loc[:-1] // page_size)
-    if loc.is_cuda:
-        torch._assert_async(brk.sum() <= max_segments)
-    elif int(brk.sum()) > max_segments:
-        raise ValueError(f"page_segments: the write has {int(brk.sum())} runs, more than the {max_segments} allowed")
-    starts = torch.nonzero_static(brk, size=max_segments, fill_value=N).flatten()
-    return torch.cat([starts, starts.new_full((1,), N)]).to(torch.int32)
-
-
 def store_kv(k_pool: torch.Tensor, v_pool: torch.Tensor, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              key_sum: torch.Tensor | None = None, count: torch.Tensor | None = None,
-             key_max: torch.Tensor | None = None, key_min: torch.Tensor | None = None,
-             segments: torch.Tensor | None = None) -> None:
-    """Same contract as `kv_cache_naive.store_kv` (head_dim and page size powers of two). `segments`
-    (`page_segments` of this `loc`): the store by page runs, one program per run."""
+             key_max: torch.Tensor | None = None, key_min: torch.Tensor | None = None) -> None:
+    """Same contract as `kv_cache_naive.store_kv` (head_dim and page size powers of two)."""
     check_summaries(key_sum, count, key_max, key_min)
     N = loc.numel()
     if N == 0:
@@ -157,8 +89,4 @@ def store_kv(k_pool: torch.Tensor, v_pool: torch.Tensor, loc: torch.Tensor, k: t
             key_min if bounds else k_pool)
     strides = (N, H, k.stride(0), k.stride(1), v.stride(0), v.stride(1))
     flags = dict(P=P, D=D, SUMMARIZE=summarize, BOUNDS=bounds)
-    if segments is None:
-        _store_kv_launch((N, H), k_pool, v_pool, loc, k, v, *sums, *strides, **flags)
-    else:
-        _store_kv_pages_launch((segments.numel() - 1, H), k_pool, v_pool, loc, segments, k, v, *sums, *strides,
-                               **flags)
+    _store_kv_launch((N, H), k_pool, v_pool, loc, k, v, *sums, *strides, **flags)

@@ -26,16 +26,22 @@ from typing import Any
 import torch
 import triton
 
+def _set(hook) -> bool:
+    """Whether a launch hook is set: Triton 3.6 always holds a `HookChain` there, set when its `calls` are not
+    empty; earlier versions hold None or the hook itself."""
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
 try:  # Triton >= 3.4 keeps the launch hooks in knobs; before, on CompiledKernel
     from triton import knobs as _knobs
 
     def _hooked() -> bool:
-        return _knobs.runtime.launch_enter_hook is not None or _knobs.runtime.launch_exit_hook is not None
+        return _set(_knobs.runtime.launch_enter_hook) or _set(_knobs.runtime.launch_exit_hook)
 except ImportError:  # pragma: no cover - older Triton
     from triton.compiler import CompiledKernel as _CK
 
     def _hooked() -> bool:
-        return getattr(_CK, "launch_enter_hook", None) is not None or getattr(_CK, "launch_exit_hook", None) is not None
+        return _set(getattr(_CK, "launch_enter_hook", None)) or _set(getattr(_CK, "launch_exit_hook", None))
 
 _I32 = (-(1 << 31), 1 << 31)
 _U64 = 1 << 63
@@ -78,19 +84,21 @@ class Launcher:
             return None
         return list(args) + [kwargs[name] for name in rest]
 
+    def _key_of(self, full: list, kwargs: dict):
+        options = tuple(sorted((k, v) for k, v in kwargs.items() if k not in self._names))
+        return tuple(_arg_key(v, c) for v, c in zip(full, self._constexpr)) + (options,)
+
     def key(self, args: tuple, kwargs: dict):
         """The signature key of one call's arguments (module docstring), or None when they cannot be keyed."""
         full = self._full(args, kwargs) if self._names is not None else None
-        if full is None:
-            return None
-        options = tuple(sorted((k, v) for k, v in kwargs.items() if k not in self._names))
-        return tuple(_arg_key(v, c) for v, c in zip(full, self._constexpr)) + (options,)
+        return None if full is None else self._key_of(full, kwargs)
 
     def __call__(self, grid, *args, **kwargs):
         if not self.enabled or self._names is None or callable(grid) or _hooked():
             return self.fn[grid](*args, **kwargs)
+        full = self._full(args, kwargs)
         try:
-            key = self.key(args, kwargs)
+            key = self._key_of(full, kwargs) if full is not None else None
             compiled = self._compiled.get(key) if key is not None else None
         except TypeError:   # an unhashable argument
             key = compiled = None
@@ -99,5 +107,5 @@ class Launcher:
             if key is not None and isinstance(compiled, triton.compiler.CompiledKernel):
                 self._compiled[key] = compiled
             return compiled
-        compiled[tuple(grid) + (1,) * (3 - len(grid))](*self._full(args, kwargs))
+        compiled[tuple(grid) + (1,) * (3 - len(grid))](*full)
         return compiled

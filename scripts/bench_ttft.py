@@ -35,9 +35,8 @@ metrics cost a stock server);
 (`--compact-selector dense`), `compact-budget-D` (`budget` at density D; `compact-mass_budget-D` and
 `compact-quest_budget-D` likewise), any of them with
 `-fa2` (`--compact-prefill-kernel fa2`), `-at0` (`--compact-min-context 0`: sparse from the start) or `-nometrics`
-(no `--enable-metrics`, as a user runs it by default: its rows have no density), `-cachedlaunch`
-(`SGLANG_COMPACT_CACHED_LAUNCH=1`: our Triton kernels launched from their compiled kernels, `kernels/launch.py`) or
-`-pagedstore` (`SGLANG_COMPACT_PAGED_STORE=1`: the KV store by page runs, `kernels/kv_cache.py`).
+(no `--enable-metrics`, as a user runs it by default: its rows have no density) or `-cachedlaunch`
+(`SGLANG_COMPACT_CACHED_LAUNCH=1`: our Triton kernels launched from their compiled kernels, `kernels/launch.py`).
 
 Rows `{"bench": "ttft", "model", "context", "chunk", "batch", "tp", "method", "density", "ms",
 "speedup_vs_flashinfer", "gpu", "date", ...}` are appended to `<out-dir>/speed.json`; the table goes
@@ -70,9 +69,8 @@ COMPACT = "sglang_compact.launch_server"
 
 
 # method suffixes that set a compact server's environment: our Triton kernels launched from their compiled kernels
-# (`kernels/launch.py`), the KV store by page runs (`kernels/kv_cache.py`); both off by default
-ENV_SUFFIXES = {"-cachedlaunch": {"SGLANG_COMPACT_CACHED_LAUNCH": "1"},
-                "-pagedstore": {"SGLANG_COMPACT_PAGED_STORE": "1"}}
+# (`kernels/launch.py`, off by default)
+ENV_SUFFIXES = {"-cachedlaunch": {"SGLANG_COMPACT_CACHED_LAUNCH": "1"}}
 
 
 def method_args(method: str) -> tuple[str, list[str]]:

@@ -157,14 +157,18 @@ class QBlocks:
                 wf["w_length"].append(we - ws)
                 wf["w_sparse"].append(lo <= k < hi)
                 wf["w_qlo"].append(len(qf["req"]))
-                for a in range(ws // P, cdiv(we, P)):
-                    s = max(ws, a * P)
-                    qf["req"].append(b)
-                    qf["page"].append(a)
-                    qf["pos"].append(s)
-                    qf["start"].append(cu[b] + s - L)
-                    qf["length"].append(min(we, (a + 1) * P) - s)
-                    qf["window"].append(len(wf["w_req"]) - 1)
+                # the window's q-blocks, one per page a0..a1-1 it touches: the first starts at ws, the last ends
+                # at we, the others are whole pages (ranges and repeats, not a Python loop: this runs every pass)
+                a0, a1 = ws // P, cdiv(we, P)
+                n, off = a1 - a0, cu[b] - L
+                qf["req"] += [b] * n
+                qf["page"] += range(a0, a1)
+                qf["pos"].append(ws)
+                qf["pos"] += range((a0 + 1) * P, a1 * P, P)
+                qf["start"].append(ws + off)
+                qf["start"] += range((a0 + 1) * P + off, a1 * P + off, P)
+                qf["length"] += [we - ws] if n == 1 else [(a0 + 1) * P - ws, *[P] * (n - 2), we - (a1 - 1) * P]
+                qf["window"] += [len(wf["w_req"]) - 1] * n
                 wf["w_qhi"].append(len(qf["req"]))
         return cls(P, WP, **{k: tuple(v) for k, v in qf.items()}, **{k: tuple(v) for k, v in wf.items()},
                    n_ctx=tuple(n_ctx))

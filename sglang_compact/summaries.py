@@ -19,7 +19,6 @@ The bounds are of the keys as the pool stores them, so in the pool's dtype they 
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -80,6 +79,9 @@ class PageSummaries:
         self.count = torch.zeros(num_layers, num_pages, dtype=torch.int32, device=device)
         self.key_max = torch.zeros(shape, dtype=bounds_dtype, device=device) if key_bounds else None
         self.key_min = torch.zeros(shape, dtype=bounds_dtype, device=device) if key_bounds else None
+        bounds = (lambda i: (self.key_max[i], self.key_min[i])) if key_bounds else lambda i: ()
+        # per-layer views made once: every layer of every forward pass asks for its tables
+        self._layers = [LayerSummaries(self.key_sum[i], self.count[i], *bounds(i)) for i in range(num_layers)]
 
     @staticmethod
     def bytes_needed(num_layers: int, num_pages: int, num_kv_heads: int, head_dim: int,
@@ -90,36 +92,15 @@ class PageSummaries:
         return num_layers * num_pages * per_page
 
     def layer(self, layer: int) -> LayerSummaries:
-        """Layer `layer`'s tables (views, made once: every layer of every forward pass asks for them)."""
-        views = self.__dict__.get("_layers")
-        if views is None:
-            bounds = (lambda i: (self.key_max[i], self.key_min[i])) if self.key_max is not None else lambda i: ()
-            views = self._layers = [LayerSummaries(self.key_sum[i], self.count[i], *bounds(i))
-                                    for i in range(self.count.shape[0])]
-        return views[layer]
-
-
-PAGED_STORE = os.environ.get("SGLANG_COMPACT_PAGED_STORE", "0") == "1"
-
-
-def store_segments(loc: torch.Tensor, page_size: int, prefix_lens, chunk_lens) -> torch.Tensor | None:
-    """The runs of a forward pass's write for `store_kv(segments=...)` (`kv_cache.page_segments`), made once per
-    pass: None unless the paged store is on (`SGLANG_COMPACT_PAGED_STORE=1`) and the pool is on CUDA. Tokens past
-    the requests' chunks (a CUDA-graph bucket's padding) may each be a run of their own."""
-    if not (PAGED_STORE and use_triton(loc)):
-        return None
-    P = page_size
-    runs = sum(-(-(int(L) % P + int(C)) // P) for L, C in zip(prefix_lens, chunk_lens))
-    return kv_cache_kernel.page_segments(loc, P, runs + max(0, loc.numel() - sum(int(C) for C in chunk_lens)))
+        """Layer `layer`'s tables (views of this pool's)."""
+        return self._layers[layer]
 
 
 def store_kv(k_pool: torch.Tensor, v_pool: torch.Tensor, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             summaries: LayerSummaries | None = None, segments: torch.Tensor | None = None) -> None:
+             summaries: LayerSummaries | None = None) -> None:
     """Write tokens into a head-major pool `[num_pages, H_kv, P, D]` at slots `loc`, refreshing the
     summaries of the pages the write ends in (one launch on CUDA); key bounds too where `summaries`
-    has them. `segments` (`store_segments` of this `loc`): on CUDA, the store by page runs."""
+    has them."""
     sums = () if summaries is None else (summaries.key_sum, summaries.count, summaries.key_max, summaries.key_min)
-    if use_triton(k_pool):
-        kv_cache_kernel.store_kv(k_pool, v_pool, loc, k, v, *sums, segments=segments)
-    else:
-        kv_cache_naive.store_kv(k_pool, v_pool, loc, k, v, *sums)
+    impl = kv_cache_kernel.store_kv if use_triton(k_pool) else kv_cache_naive.store_kv
+    impl(k_pool, v_pool, loc, k, v, *sums)

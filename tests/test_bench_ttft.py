@@ -33,8 +33,7 @@ def test_method_names():
     assert metered("compact") and not metered("compact-nometrics") and not metered("flashinfer-metrics")
     assert method_args("compact-cachedlaunch") == method_args("compact")
     assert method_env("compact-dense-cachedlaunch") == {"SGLANG_COMPACT_CACHED_LAUNCH": "1"} and not method_env("compact")
-    assert method_env("compact-pagedstore-cachedlaunch") == {"SGLANG_COMPACT_CACHED_LAUNCH": "1", "SGLANG_COMPACT_PAGED_STORE": "1"}
-    assert method_args("compact-pagedstore-cachedlaunch") == method_args("compact")
+    assert method_env("compact-cachedlaunch") == {"SGLANG_COMPACT_CACHED_LAUNCH": "1"}
 
 
 def test_round_ratios_pair_the_rounds_and_bound_their_median():

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import torch
 
-from sglang_compact.batch import ChunkBatch, cdiv
+from sglang_compact.batch import ChunkBatch, QBlocks, cdiv
 from sglang_compact.compact import CompactAttention, mass_recall
 from sglang_compact.config import CompactConfig
 from sglang_compact.executors import ForwardShape, TorchExecutor, reference_attention
@@ -367,3 +367,40 @@ def test_mass_recall_is_the_attention_share_of_the_selected_pages(seed):
         assert torch.equal(mass_recall(b, torch.zeros_like(sel.table), g), torch.zeros_like(got))
     dense = make_batch(seed, sparse_ranges=[(0, 0)] * 4)
     assert mass_recall(dense, dense.full_table(), 0) is None
+
+
+def qblocks_naive(prefix_lens, chunk_lens, P, WP, sparse_ranges):
+    """`QBlocks.build`'s q-block fields, one page at a time (its plain twin)."""
+    W = WP * P
+    out = {k: [] for k in ("req", "page", "pos", "start", "length", "window")}
+    cu, windows = 0, 0
+    for b, (L, C) in enumerate(zip(prefix_lens, chunk_lens)):
+        E = L + C
+        for k in range(L // W, -(-E // W)) if C > 0 else ():
+            ws, we = max(L, k * W), min(E, (k + 1) * W)
+            for a in range(ws // P, -(-we // P)):
+                s = max(ws, a * P)
+                for key, v in (("req", b), ("page", a), ("pos", s), ("start", cu + s - L),
+                               ("length", min(we, (a + 1) * P) - s), ("window", windows)):
+                    out[key].append(v)
+            windows += 1
+        cu += C
+    return {k: tuple(v) for k, v in out.items()}
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_qblocks_build_equals_the_page_by_page_twin(seed):
+    """Prefixes and chunks starting and ending anywhere in a page or a window, empty chunks, one-page windows."""
+    g = torch.Generator().manual_seed(seed)
+    rnd = lambda hi: int(torch.randint(hi, (1,), generator=g))  # noqa: E731
+    P = [1, 4, 16, 32][rnd(4)]
+    WP = 1 + rnd(5)
+    B = 1 + rnd(4)
+    prefix = [rnd(6 * WP * P) if rnd(3) else 0 for _ in range(B)]
+    chunk = [rnd(4 * WP * P + 3) for _ in range(B)]
+    ranges = [(rnd(4), rnd(8)) for _ in range(B)]
+    qb = QBlocks.build(prefix, chunk, P, WP, ranges)
+    want = qblocks_naive(prefix, chunk, P, WP, ranges)
+    assert {k: getattr(qb, k) for k in want} == want
+    assert all(qb.w_qlo[w] < qb.w_qhi[w] and qb.window[qb.w_qlo[w]] == w for w in range(qb.windows))
+    assert sum(qb.length) == sum(chunk)

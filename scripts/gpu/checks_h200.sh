@@ -5,9 +5,9 @@
 #   STEPS="tests smoke" bash scripts/gpu/checks_h200.sh   (a subset of: tests calibrate smoke search)
 #   search: the FlashPrefill search split over pages against one program per q-block (equality and time),
 #   then the sparse path's host time per layer (scripts/gpu/host_profile.py)
-#   fastpaths: the whole GPU suite with the cached Triton launch and the KV store by page runs switched on
-#   (SGLANG_COMPACT_CACHED_LAUNCH=1 SGLANG_COMPACT_PAGED_STORE=1, both off by default), then the dense and the
-#   sparse path's host and GPU time per layer with and without them (host_profile.py --path both)
+#   fastpaths: the GPU suite with the cached Triton launch switched on (SGLANG_COMPACT_CACHED_LAUNCH=1, off by
+#   default), then the dense and the sparse path's host and GPU time per layer with and without it
+#   (host_profile.py --path both)
 set -uo pipefail
 source scripts/gpu/setup.sh || exit 1
 R=/tmp/res/checks; rm -rf $R; mkdir -p $R
@@ -46,7 +46,7 @@ tail -8 $R/host_profile.log; pack
 fi
 if [[ $STEPS == *" fastpaths "* ]]; then
 t0=$SECONDS
-SGLANG_COMPACT_CACHED_LAUNCH=1 SGLANG_COMPACT_PAGED_STORE=1 timeout ${GPU_TESTS_S:-330} python3 -m pytest -m gpu -q \
+SGLANG_COMPACT_CACHED_LAUNCH=1 timeout ${GPU_TESTS_S:-330} python3 -m pytest -m gpu -q \
   -p no:cacheprovider tests/test_gpu_core.py -rf > $R/gpu_core_fastpaths.log 2>&1
 echo "gpu_core, fast paths on: $(tail -1 $R/gpu_core_fastpaths.log) ($((SECONDS - t0)) s)"
 grep -E "^FAILED" $R/gpu_core_fastpaths.log | head; pack

@@ -20,10 +20,9 @@ With `--path dense` (or `both`) it profiles instead (or too) the layer of a dens
 `compact` must cost what stock SGLang costs (issue 13; Qwen2.5-0.5B heads, 14/2 x 64, page 32, one 4096-token
 chunk, as in the Qwen 4K / chunk 8192 TTFT point): our layer (`store_kv` with the page sums and key bounds, then
 `FlashInferExecutor.run_dense`, a planned ragged run on the chunk's K/V), its two parts apart (the store with and
-without summaries, the ragged run on fa3 and fa2), the same with the store by page runs
-(`kv_cache.store_kv(segments=...)`) and with the cached Triton launch, and stock SGLang's layer (its
-`store_cache` into an NHD pool, then FlashInfer's fa2 ragged wrapper planned once). Each also gets its GPU time
-per layer (the profiler's kernel time) beside the host time, and the pass's planning (`QBlocks.build`,
+without summaries, the ragged run on fa3 and fa2), the same with the cached Triton launch, and stock SGLang's
+layer (its `store_cache` into an NHD pool, then FlashInfer's fa2 ragged wrapper planned once). Each also gets its
+GPU time per layer (the profiler's kernel time) beside the host time, and the pass's planning (`QBlocks.build`,
 `plan_forward`) its host time per pass.
 
 Writes `host_profile.json` and `host_profile.md` into --out.
@@ -45,12 +44,17 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
+from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 from harness.synthetic import batch_summaries, random_batch  # noqa: E402
+from sglang_compact.batch import QBlocks  # noqa: E402
 from sglang_compact.compact import CompactAttention  # noqa: E402
 from sglang_compact.config import CompactConfig  # noqa: E402
 from sglang_compact.executors import ForwardShape  # noqa: E402
+from sglang_compact.executors.flashinfer_adapter import ragged_wrapper  # noqa: E402
 from sglang_compact.executors.flashinfer_executor import make_flashinfer_executor  # noqa: E402
+from sglang_compact.kernels.launch import Launcher  # noqa: E402
+from sglang_compact.summaries import PageSummaries, store_kv  # noqa: E402
 
 SELECTORS = (("budget", {"density": 0.3}, "fa3"), ("mass_budget", {"density": 0.33}, "fa3"),
              ("quest_budget", {"density": 0.33}, "fa3"),
@@ -86,9 +90,6 @@ QWEN = dict(num_q_heads=14, num_kv_heads=2, head_dim=64, page_size=32)
 
 def dense_layers(tokens: int) -> list[tuple[str, object]]:
     """(name, one layer) of a dense pass with no cached prefix over one `tokens`-token chunk, ours and stock's."""
-    from sglang_compact.batch import QBlocks
-    from sglang_compact.executors.flashinfer_adapter import ragged_wrapper
-    from sglang_compact.summaries import PageSummaries, store_kv
     H_q, H_kv, D, P = QWEN["num_q_heads"], QWEN["num_kv_heads"], QWEN["head_dim"], QWEN["page_size"]
     b = random_batch([0], [tokens], dtype=torch.bfloat16, device="cuda", seed=0, **QWEN)
     b = dataclasses.replace(b, qblocks=b.qblocks.with_dense(range(b.qblocks.windows)), derived={})
@@ -105,12 +106,9 @@ def dense_layers(tokens: int) -> list[tuple[str, object]]:
         ex.plan_forward(ForwardShape.of(dataclasses.replace(b, q=q)), b.page_table)
         executors[kernel] = ex
 
-    from sglang_compact.kernels.kv_cache import page_segments
-    runs = page_segments(loc, P, -(-tokens // P))   # made once per forward pass
-
-    def ours(kernel="fa3-auto", summarize=True, attend=True, paged=False):
+    def ours(kernel="fa3-auto", summarize=True, attend=True):
         def layer():
-            store_kv(b.k_pool, b.v_pool, loc, k, v, summaries if summarize else None, runs if paged else None)
+            store_kv(b.k_pool, b.v_pool, loc, k, v, summaries if summarize else None)
             if attend:
                 return executors[kernel].run_dense(q, b.k_pool, b.v_pool, chunk_kv=(k, v))
         return layer
@@ -120,12 +118,7 @@ def dense_layers(tokens: int) -> list[tuple[str, object]]:
               ("compact dense layer, fa2 ragged", ours("fa2")),
               ("  store_kv with sums + bounds", ours(attend=False)),
               ("  store_kv with sums + bounds, cached Triton launch", cached_launch(ours(attend=False))),
-              ("  store_kv without summaries", ours(summarize=False, attend=False)),
-              ("compact dense layer, paged store", ours(paged=True)),
-              ("compact dense layer, paged store + cached Triton launch", cached_launch(ours(paged=True))),
-              ("  paged store with sums + bounds", ours(attend=False, paged=True)),
-              ("  paged store runs of the pass (page_segments), per pass",
-               lambda: page_segments(loc, P, -(-tokens // P)))]
+              ("  store_kv without summaries", ours(summarize=False, attend=False))]
     try:
         from sglang.kernels.ops.kvcache.kvcache import can_use_store_cache, store_cache
     except Exception as e:   # the bundle's SGLang is what the GPU host has; name what is missing
@@ -164,7 +157,6 @@ def dense_layers(tokens: int) -> list[tuple[str, object]]:
 
 def cuda_kernels(fn, n: int = 20) -> list:
     """The profiler's CUDA kernel events of n calls."""
-    from torch.profiler import ProfilerActivity, profile
     fn()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -176,7 +168,6 @@ def cuda_kernels(fn, n: int = 20) -> list:
 
 def cached_launch(fn):
     """fn with our Triton kernels launched from their compiled kernels (`kernels/launch.py`)."""
-    from sglang_compact.kernels.launch import Launcher
 
     def call():
         was, Launcher.enabled = Launcher.enabled, True

@@ -31,7 +31,7 @@ from sglang_compact.batch import ChunkBatch, QBlocks
 from sglang_compact.compact import mass_recall
 from sglang_compact.config import OBSERVING_LAYER
 from sglang_compact.executors import ForwardShape
-from sglang_compact.summaries import store_kv, store_segments
+from sglang_compact.summaries import store_kv
 from sglang_compact.srt import compat
 from sglang_compact.srt.prompt_notes import NOTES
 from sglang_compact.srt.runtime import CompactRuntime
@@ -49,7 +49,6 @@ class ExtendMetadata:
     fill: torch.Tensor | None = None   # rows fixed at the observing layer: pages per row (device int32)
     first_read_all: int = 0  # layers that read every page before the observing one
     executor_dense: bool = False   # the executor is planned for the dense first layer (until the observing one)
-    store_runs: torch.Tensor | None = None   # the write's page runs, for the paged KV store (summaries.store_segments)
 
 
 class ExtendPlanner:
@@ -89,8 +88,7 @@ class ExtendPlanner:
             rt.telemetry.begin_forward(prefix, chunk, *self._pass_paths(qb, gated),
                                        context_pages=sum(a + 1 for a in qb.w_last))
         return ExtendMetadata(template, qb.any_sparse, self._recall_target() if qb.any_sparse else None, observe,
-                              first_read_all=first_read_all, executor_dense=bool(first_read_all),
-                              store_runs=store_segments(compat.cache_locations(fb), P, prefix, chunk))
+                              first_read_all=first_read_all, executor_dense=bool(first_read_all))
 
     @property
     def _fixes_rows(self) -> bool:
@@ -185,8 +183,7 @@ class ExtendPlanner:
         q3 = q.view(-1, H_q, D)
         summaries = rt.summaries.layer(li) if rt.summaries is not None else None
         if save_kv_cache:
-            store_kv(k_buf, v_buf, compat.cache_locations(fb), k.view(-1, H_kv, D), v.view(-1, H_kv, D), summaries,
-                     md.store_runs)
+            store_kv(k_buf, v_buf, compat.cache_locations(fb), k.view(-1, H_kv, D), v.view(-1, H_kv, D), summaries)
         elif md.sparse:
             raise RuntimeError("sglang_compact: a sparse pass reads the chunk's keys from the pool, but this layer "
                                "was asked not to store them (save_kv_cache=False)")
