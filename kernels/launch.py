@@ -26,6 +26,7 @@ from typing import Any
 import torch
 import triton
 
+
 def _set(hook) -> bool:
     """Whether a launch hook is set: Triton 3.6 always holds a `HookChain` there, set when its `calls` are not
     empty; earlier versions hold None or the hook itself."""
