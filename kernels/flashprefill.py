@@ -245,11 +245,16 @@ def _sm_count(device: torch.device) -> int:
     return _SMS[key]
 
 
+#: the fewest scored queries of a q-block (page_size / query_stride) the kernel tiles (tl.dot's minimum)
+MIN_QUERY_TILE = 16
+
+
 def supports(head_dim: int, page_size: int, query_stride: int = 1) -> bool:
     """Whether the kernel can run these shapes: it tiles head_dim and each q-block's scored queries
-    (page_size / query_stride) as power-of-two blocks of at least 16."""
+    (page_size / query_stride) as power-of-two blocks of at least MIN_QUERY_TILE."""
     D, BQS = head_dim, page_size // max(query_stride, 1)
-    return D >= 16 and not D & (D - 1) and page_size % max(query_stride, 1) == 0 and BQS >= 16 and not BQS & (BQS - 1)
+    return (D >= 16 and not D & (D - 1) and page_size % max(query_stride, 1) == 0 and BQS >= MIN_QUERY_TILE
+            and not BQS & (BQS - 1))
 
 
 # the scores' kernels write every cell of their output (zeros past a q-block's candidates): it is not cleared

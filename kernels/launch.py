@@ -27,7 +27,7 @@ import torch
 import triton
 
 
-def _set(hook) -> bool:
+def _hook_is_set(hook) -> bool:
     """Whether a launch hook is set: Triton 3.6 always holds a `HookChain` there, set when its `calls` are not
     empty; earlier versions hold None or the hook itself."""
     return hook is not None and bool(getattr(hook, "calls", True))
@@ -37,12 +37,13 @@ try:  # Triton >= 3.4 keeps the launch hooks in knobs; before, on CompiledKernel
     from triton import knobs as _knobs
 
     def _hooked() -> bool:
-        return _set(_knobs.runtime.launch_enter_hook) or _set(_knobs.runtime.launch_exit_hook)
+        return _hook_is_set(_knobs.runtime.launch_enter_hook) or _hook_is_set(_knobs.runtime.launch_exit_hook)
 except ImportError:  # pragma: no cover - older Triton
     from triton.compiler import CompiledKernel as _CK
 
     def _hooked() -> bool:
-        return _set(getattr(_CK, "launch_enter_hook", None)) or _set(getattr(_CK, "launch_exit_hook", None))
+        return (_hook_is_set(getattr(_CK, "launch_enter_hook", None))
+                or _hook_is_set(getattr(_CK, "launch_exit_hook", None)))
 
 _I32 = (-(1 << 31), 1 << 31)
 _U64 = 1 << 63

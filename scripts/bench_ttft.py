@@ -33,7 +33,8 @@ ratio to the first is the spread between two identical servers, the band a do-no
 metrics cost a stock server);
 `compact` (its defaults), `compact-dense`
 (`--compact-selector dense`), `compact-budget-D` (`budget` at density D; `compact-mass_budget-D` and
-`compact-quest_budget-D` likewise), any of them with
+`compact-quest_budget-D` likewise), `compact:SELECTOR[:k=v,...]` (the accuracy scripts' syntax, e.g.
+`compact:quest_budget:density=0.2,min_tokens=3072`: a candidate timed as its accuracy was measured), any of them with
 `-fa2` (`--compact-prefill-kernel fa2`), `-at0` (`--compact-min-context 0`: sparse from the start) or `-nometrics`
 (no `--enable-metrics`, as a user runs it by default: its rows have no density) or `-cachedlaunch`
 (`SGLANG_COMPACT_CACHED_LAUNCH=1`: our Triton kernels launched from their compiled kernels, `kernels/launch.py`).
@@ -101,12 +102,47 @@ def method_args(method: str) -> tuple[str, list[str]]:
         return COMPACT, flags + ["--compact-selector", "dense"]
     if name.startswith("compact-budget-"):
         return COMPACT, flags + ["--compact-selector", "budget", "--compact-density", name.rsplit("-", 1)[1]]
+    if name.startswith("compact:"):
+        return COMPACT, flags + spec_flags(name)
     for selector in ("mass_budget", "quest_budget"):
         if name.startswith(f"compact-{selector}-"):
             density = float(name.rsplit("-", 1)[1])
             return COMPACT, flags + ["--compact-selector", selector,
                                      "--compact-selector-params", json.dumps({"density": density})]
     raise ValueError(f"unknown method {method!r}")
+
+
+def spec_flags(spec: str) -> list[str]:
+    """The flags of a method in the accuracy scripts' syntax, `compact:SELECTOR[:k=v,...]`: the selector and its
+    parameters, and the method-level dense_tail / dense_layers / dense_above / density_cap where given (the rest
+    at the server's defaults), so a candidate is timed exactly as its accuracy was measured."""
+    from harness.eval.fidelity import parse_method
+    from harness.eval.methods import method_level_flags
+
+    m = parse_method(spec)
+    flags = ["--compact-selector", m.selector]
+    if m.selector_params:
+        flags += ["--compact-selector-params", json.dumps(m.selector_params, sort_keys=True)]
+    if "dense_tail" in dict(m.params):
+        flags += ["--compact-dense-tail", str(m.dense_tail)]
+    return flags + method_level_flags(m)
+
+
+def split_methods(text: str) -> list[str]:
+    """--methods: names joined by ',', where a `compact:SELECTOR:k=v,k=v` method keeps its own commas (a piece
+    holding '=' that does not start a method continues the one before it)."""
+    out: list[str] = []
+    for piece in filter(None, text.split(",")):
+        if "=" in piece and not piece.startswith("compact:") and out and out[-1].startswith("compact:"):
+            out[-1] += "," + piece
+        else:
+            out.append(piece)
+    return out
+
+
+def file_label(method: str) -> str:
+    """A method name as a file name (`compact:quest_budget:density=0.2` -> `compact_quest_budget_density0.2`)."""
+    return method.replace(":", "_").replace("=", "").replace(",", "_").replace("/", "_")
 
 
 def method_env(method: str) -> dict[str, str]:
@@ -217,7 +253,7 @@ def main() -> int:
         vocab = (1000, json.loads((model / "config.json").read_text())["vocab_size"] - 1000)
     ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
     contexts, chunks, batches = ints(a.contexts), ints(a.chunks), ints(a.batches)
-    methods = [m for m in a.methods.split(",") if m]
+    methods = split_methods(a.methods)
     import torch
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
@@ -243,7 +279,7 @@ def main() -> int:
         if a.no_prefill_graphs:
             common.append("--disable-prefill-cuda-graph")
         common += a.extra_args.split()
-        return start_server(module, model, common + flags, out / f"ttft_{name}_{method}_c{chunk}.log",
+        return start_server(module, model, common + flags, out / f"ttft_{name}_{file_label(method)}_c{chunk}.log",
                             timeout=a.start_timeout, env=method_env(method))
 
     def round_(srv, n_tokens: int, n_req: int) -> float:

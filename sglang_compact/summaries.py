@@ -70,18 +70,25 @@ class LayerSummaries:
 
 class PageSummaries:
     """Summaries for every page of a paged KV pool, one table per layer; the key bounds (key_max, key_min,
-    in bounds_dtype: the pool's) only with key_bounds."""
+    in bounds_dtype: the pool's) only with key_bounds. The tables are allocated once and cannot be rebound:
+    `layer` hands out views of them made at construction."""
 
     def __init__(self, num_layers: int, num_pages: int, num_kv_heads: int, head_dim: int,
                  device: torch.device | str, key_bounds: bool = False, bounds_dtype: torch.dtype = torch.float32):
         shape = (num_layers, num_pages, num_kv_heads, head_dim)
-        self.key_sum = torch.zeros(shape, dtype=torch.float32, device=device)
-        self.count = torch.zeros(num_layers, num_pages, dtype=torch.int32, device=device)
-        self.key_max = torch.zeros(shape, dtype=bounds_dtype, device=device) if key_bounds else None
-        self.key_min = torch.zeros(shape, dtype=bounds_dtype, device=device) if key_bounds else None
-        bounds = (lambda i: (self.key_max[i], self.key_min[i])) if key_bounds else lambda i: ()
+        self._key_sum = torch.zeros(shape, dtype=torch.float32, device=device)
+        self._count = torch.zeros(num_layers, num_pages, dtype=torch.int32, device=device)
+        self._key_max = torch.zeros(shape, dtype=bounds_dtype, device=device) if key_bounds else None
+        self._key_min = torch.zeros(shape, dtype=bounds_dtype, device=device) if key_bounds else None
+        bounds = (lambda i: (self._key_max[i], self._key_min[i])) if key_bounds else lambda i: ()
         # per-layer views made once: every layer of every forward pass asks for its tables
-        self._layers = [LayerSummaries(self.key_sum[i], self.count[i], *bounds(i)) for i in range(num_layers)]
+        self._layers = [LayerSummaries(self._key_sum[i], self._count[i], *bounds(i)) for i in range(num_layers)]
+
+    # read-only: a rebound table would leave the per-layer views pointing at the old one
+    key_sum = property(lambda self: self._key_sum, doc="float32 [layers, num_pages, H_kv, D]")
+    count = property(lambda self: self._count, doc="int32 [layers, num_pages]")
+    key_max = property(lambda self: self._key_max, doc="[layers, num_pages, H_kv, D] in bounds_dtype, or None")
+    key_min = property(lambda self: self._key_min, doc="[layers, num_pages, H_kv, D] in bounds_dtype, or None")
 
     @staticmethod
     def bytes_needed(num_layers: int, num_pages: int, num_kv_heads: int, head_dim: int,

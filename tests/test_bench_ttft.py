@@ -1,5 +1,6 @@
 """scripts/bench_ttft.py without a GPU: its method names and its dry run (the plan and the KV arithmetic)."""
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -9,7 +10,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from bench_ttft import COMPACT, STOCK, metered, method_args, method_env, round_ratios  # noqa: E402
+from bench_ttft import COMPACT, STOCK, metered, method_args, method_env, round_ratios, split_methods  # noqa: E402
 
 
 def test_method_names():
@@ -32,6 +33,25 @@ def test_method_names():
     assert "--enable-metrics" not in bare and bare[-2:] == ["--compact-selector", "dense"]
     assert metered("compact") and not metered("compact-nometrics") and not metered("flashinfer-metrics")
     assert method_args("compact-cachedlaunch") == method_args("compact")
+    # a candidate in the accuracy scripts' syntax, suffixes allowed: selector, its parameters, method-level flags
+    module, flags = method_args("compact:quest_budget:density=0.2,min_tokens=3072,query_stride=2,dense_tail=512"
+                                "-nometrics")
+    assert module == COMPACT and "--enable-metrics" not in flags
+    assert flags[flags.index("--compact-selector") + 1] == "quest_budget"
+    assert json.loads(flags[flags.index("--compact-selector-params") + 1]) == dict(density=0.2, min_tokens=3072,
+                                                                                  query_stride=2)
+    assert flags[flags.index("--compact-dense-tail") + 1] == "512"
+    assert "--compact-dense-tail" not in method_args("compact:quest_budget:density=0.2")[1]
+    flags = method_args("compact:flashprefill:dense_layers=21-23,dense_above=0.6")[1]
+    assert flags[-4:] == ["--compact-dense-layers", "21,22,23", "--compact-dense-above", "0.6"]
+    with pytest.raises(ValueError, match="bad method"):
+        method_args("compact:quest_budget:density=2")
+    with pytest.raises(ValueError, match="unknown selector 'nope'"):
+        method_args("compact:nope")
+    assert split_methods("flashinfer,compact:quest_budget:density=0.2,min_tokens=3072-nometrics,compact-dense,"
+                         "compact:budget:density=0.3,") == [
+        "flashinfer", "compact:quest_budget:density=0.2,min_tokens=3072-nometrics", "compact-dense",
+        "compact:budget:density=0.3"]
     assert method_env("compact-dense-cachedlaunch") == {"SGLANG_COMPACT_CACHED_LAUNCH": "1"} and not method_env("compact")
     assert method_env("compact-cachedlaunch") == {"SGLANG_COMPACT_CACHED_LAUNCH": "1"}
 
@@ -71,7 +91,6 @@ def test_dry_run_prints_the_plan_and_the_kv_per_rank():
 def test_replot_draws_the_rows_of_the_dated_runs(tmp_path):
     """--replot: the ttft rows dated with the prefix, into a folder it makes; runs of whole models only."""
     pytest.importorskip("matplotlib")
-    import json
 
     def row(method, ctx, ms, date, cmd="python3 scripts/bench_ttft.py --model llama-3.1-8b"):
         return {"bench": "ttft", "model": "m", "context": ctx, "chunk": 1024, "batch": 1, "method": method,

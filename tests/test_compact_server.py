@@ -17,6 +17,7 @@ on SmolLM2-135M-Instruct's real weights in float32:
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import subprocess
@@ -58,6 +59,14 @@ def server(model_dir, backend_args, **kw):
                         extra_args=backend_args, **kw)
 
 
+@pytest.fixture(scope="module")
+def torch_native_tokens(model_dir):
+    """SGLang's `torch_native` backend's greedy tokens (and top-2 margins) on `prompts()`: one server for every
+    selector compared with it."""
+    with server(model_dir, ["--attention-backend", "torch_native"]) as ref_srv:
+        return [greedy(ref_srv, p) for p in prompts()]
+
+
 @pytest.mark.parametrize("selector_args", [
     ["--compact-selector", "dense"],
     ["--compact-selector", "budget", "--compact-density", "1.0", "--compact-min-context", "0"],
@@ -66,12 +75,10 @@ def server(model_dir, backend_args, **kw):
     ["--compact-selector", "quest_budget", "--compact-selector-params", '{"density": 1.0}',
      "--compact-min-context", "0"],
 ], ids=["dense", "budget-1.0", "mass_budget-1.0", "quest_budget-1.0"])
-def test_dense_reads_match_torch_native(model_dir, selector_args):
-    ps = prompts()
-    with server(model_dir, ["--attention-backend", "torch_native"]) as ref_srv:
-        want = [greedy(ref_srv, p) for p in ps]
+def test_dense_reads_match_torch_native(model_dir, torch_native_tokens, selector_args):
+    want = torch_native_tokens
     with server(model_dir, COMPACT + selector_args + ["--enable-metrics"]) as srv:
-        got = [greedy(srv, p) for p in ps]
+        got = [greedy(srv, p) for p in prompts()]
         log = srv.log_path.read_text()
         metrics = srv.get_text("/metrics")
     assert f"selector={selector_args[1]!r}" in log  # the launcher's config reached the scheduler
@@ -162,7 +169,7 @@ def test_a_selector_from_a_test_module_is_served(model_dir):
         metric_value(metrics, "sglang:compact_density_forward_count") < 0.9
 
 
-@pytest.mark.parametrize("flags, reason", [
+BAD_FLAGS = [
     (["--compact-selector", "nope"], "--compact-selector 'nope': use one of"),
     (["--compact-block-size", "32"], "--compact-block-size 32 differs from --page-size 16: drop --compact-block-size"),
     (["--compact-min-context", "-1"], "must be 'auto' or a number of tokens >= 0"),
@@ -183,14 +190,67 @@ def test_a_selector_from_a_test_module_is_served(model_dir):
     (["--compact-selector", "budget", "--compact-selector-params", '{"layer_density": "2-6"}'],
      "layer_density: must be items 'layers:value'"),
     (["--attention-backend", "torch_native", "--compact-alpha", "0.1"], "--compact-* flags need --attention-backend compact"),
-])
-def test_bad_flags_exit_with_one_line_reason(model_dir, flags, reason):
-    cmd = [sys.executable, "-m", "sglang_compact.launch_server", "--model-path", str(model_dir), "--device", "cpu",
-           "--page-size", str(PAGE)] + COMPACT + flags
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=dict(os.environ), cwd=REPO_ROOT)
-    assert r.returncode == 2, r.stderr[-3000:]
-    last = r.stderr.strip().splitlines()[-1]
+]
+
+#: runs `launch_server.main` on each argv of a JSON list in one process (SGLang imported once, not once per
+#: case) and prints each one's exit code and stderr; a case that validates would start a server: it exits
+#: with a message instead
+MAIN_ON_EACH = """
+import contextlib, io, json, sys
+from sglang_compact import launch_server
+from sglang_compact.srt import compat
+
+def no_server(server_args):
+    raise SystemExit("validated: would start a server")
+
+compat.run_server = no_server
+results = []
+for argv in json.loads(sys.argv[1]):
+    err, code = io.StringIO(), None
+    with contextlib.redirect_stderr(err):
+        try:
+            launch_server.main(argv)
+        except SystemExit as e:
+            code = e.code
+    results.append(dict(code=code, stderr=err.getvalue()))
+print("RESULTS " + json.dumps(results))
+"""
+
+
+def bad_flags_argv(model_dir, flags):
+    return ["--model-path", str(model_dir), "--device", "cpu", "--page-size", str(PAGE)] + COMPACT + flags
+
+
+def assert_one_line_reason(code, stderr, reason):
+    assert code == 2, stderr[-3000:]
+    last = stderr.strip().splitlines()[-1]
     assert last.startswith("sglang_compact.launch_server: error: ") and reason in last, last
+
+
+@pytest.fixture(scope="module")
+def bad_flags_results(model_dir):
+    cases = [bad_flags_argv(model_dir, flags) for flags, _ in BAD_FLAGS]
+    r = subprocess.run([sys.executable, "-c", MAIN_ON_EACH, json.dumps(cases)], capture_output=True, text=True,
+                       timeout=600, env=dict(os.environ), cwd=REPO_ROOT)
+    line = next((x for x in r.stdout.splitlines() if x.startswith("RESULTS ")), None)
+    assert line is not None, (r.stdout[-2000:], r.stderr[-3000:])
+    return json.loads(line[len("RESULTS "):])
+
+
+@pytest.mark.parametrize("case", range(len(BAD_FLAGS)), ids=[" ".join(f) for f, _ in BAD_FLAGS])
+def test_bad_flags_exit_with_one_line_reason(bad_flags_results, case):
+    """`launch_server.main` (one process for every case: `MAIN_ON_EACH`)."""
+    res = bad_flags_results[case]
+    assert_one_line_reason(res["code"], res["stderr"], BAD_FLAGS[case][1])
+
+
+@pytest.mark.parametrize("flags, reason", [BAD_FLAGS[0], BAD_FLAGS[11]], ids=["our check", "argparse's"])
+def test_bad_flags_exit_2_from_the_command_line(model_dir, flags, reason):
+    """`python -m sglang_compact.launch_server` itself exits 2 with the reason, from our checks and from
+    argparse's."""
+    cmd = [sys.executable, "-m", "sglang_compact.launch_server"] + bad_flags_argv(model_dir, flags)
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=dict(os.environ), cwd=REPO_ROOT)
+    assert_one_line_reason(r.returncode, r.stderr, reason)
 
 
 def test_help_lists_the_compact_flags_and_sglangs():

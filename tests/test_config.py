@@ -125,6 +125,27 @@ def test_dense_layers_are_checked_against_the_model_and_the_rows_plan():
         check_dense_layers(cfg, SimpleNamespace(model_layers=24, start_layer=0), planned_once=True)
 
 
+@pytest.mark.parametrize("page, stride, ok", [(32, 2, True), (64, 4, True), (32, 4, False), (16, 2, False)])
+def test_a_query_stride_below_the_search_kernels_tile_is_refused_on_cuda(page, stride, ok):
+    """At launch and server start (`srt.model_checks.check_search_kernel`): on CUDA a `query_stride` leaving fewer
+    than 16 scored queries per page would send the search to its torch twin without a word; the CPU runs the
+    twin anyway, and a selector without the parameter passes."""
+    from sglang_compact.kernels.flashprefill import supports
+    from sglang_compact.srt.model_checks import UnsupportedModelError, check_search_kernel
+
+    for selector in ("quest_budget", "budget", "flashprefill"):
+        cfg = CompactConfig(block_size=page, selector=selector, selector_params={"query_stride": stride})
+        check_search_kernel(cfg, "cpu")
+        assert supports(64, page, stride) == ok
+        if ok:
+            check_search_kernel(cfg, "cuda")
+        else:
+            with pytest.raises(UnsupportedModelError, match=f"query_stride {stride} scores {page // stride} queries "
+                               f"of each {page}-token page.*use query_stride <= {max(page // 16, 1)} at --page-size"):
+                check_search_kernel(cfg, "cuda")
+    check_search_kernel(CompactConfig(block_size=16, selector="xattention"), "cuda")
+
+
 @pytest.mark.parametrize("text,match", [("2-6", "layers:value"), ("2-6:1.5", r"value in \[0.0, 1.0\]"),
                                         ("x:0.3", "layer ids or ranges"), ("2:0.3,2:0.4", "layer 2 is given twice"),
                                         ("6-2:0.3", "layer ids or ranges")])

@@ -380,6 +380,9 @@ def test_store_kv_page_summaries_keep_key_bounds():
     for a, b in zip(cuts, cuts[1:]):
         store_kv(kp, vp, loc[a:b], k[a:b], v[a:b], layer)
     assert not s.key_max[0].any() and s.key_max[1].any()        # layer 1's views were written, not layer 0
+    for name in ("key_sum", "count", "key_max", "key_min"):   # the layers' views are of these tables: no rebinding
+        with pytest.raises(AttributeError):
+            setattr(s, name, torch.zeros(1))
     # from_pool computes the same summaries from the pool (the request's pages, in order)
     E = len(loc)
     order = loc[::P] // P

@@ -42,13 +42,20 @@ def compact_server_args(selector: str, params: dict[str, Any], min_context: int,
     sel_params = m.selector_params
     if sel_params:
         extra += ["--compact-selector-params", json.dumps(sel_params)]
+    return extra + method_level_flags(m)
+
+
+def method_level_flags(m) -> list[str]:
+    """The server flags of a compact `fidelity.Method`'s method-level parameters, where given: dense_layers,
+    dense_above, density_cap."""
+    flags = []
     if m.dense_layers:
-        extra += ["--compact-dense-layers", ",".join(map(str, m.dense_layers))]
+        flags += ["--compact-dense-layers", ",".join(map(str, m.dense_layers))]
     if m.dense_above is not None:
-        extra += ["--compact-dense-above", str(m.dense_above)]
+        flags += ["--compact-dense-above", str(m.dense_above)]
     if m.density_cap is not None:
-        extra += ["--compact-density-cap", str(m.density_cap)]
-    return extra
+        flags += ["--compact-density-cap", str(m.density_cap)]
+    return flags
 
 
 def compact_method_params(selector: str, params: dict[str, Any], *, chunk: int, page_size: int,

@@ -12,7 +12,8 @@ not kernels, bound a layer (context 4096, chunk 256: the size `calibrate_gate.py
 then a layer as the server runs it is called back to back: the layer's batch (`ExtendPlanner._layer_batch`),
 `CompactAttention.select_pages` and `executor.run`, with no sync between layers. Reported per selector:
 
-* host ms per layer: wall time of 200 back-to-back layers / 200 (the GPU is idle most of it);
+* host ms per layer: wall time of 200 back-to-back layers / 200 (the GPU is idle most of it), the median of 5
+  rounds in which every variant is timed in turn (`host_ms_rounds`), with the rounds' min and max;
 * CUDA kernels per layer (torch profiler, 20 layers);
 * the top functions by own time (cProfile, 200 layers): what to take off the hot path.
 
@@ -36,6 +37,7 @@ import dataclasses
 import io
 import json
 import pstats
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -183,15 +185,29 @@ def gpu_ms(fn, n: int = 20) -> float:
     return sum(e.time_range.elapsed_us() for e in cuda_kernels(fn, n)) / n / 1e3
 
 
-def host_ms(fn, n: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(n):
+def host_ms_rounds(fns: list, n: int, rounds: int, sync=None) -> list[list[float]]:
+    """Host ms per call of each of `fns`, measured `rounds` times, the functions interleaved within each round
+    (n back-to-back calls of fn 0, then of fn 1, ...): a slow spell of the host falls on every variant of a
+    round alike instead of on one (session 28's `quest_budget` row read 1.6x `budget`'s in every function).
+    `sync`: waits for the device (torch.cuda.synchronize on the GPU), outside the timed calls."""
+    sync = sync or torch.cuda.synchronize
+    for fn in fns:   # warm-up: compiles, plans, caches
         fn()
-    host = time.perf_counter() - t
-    torch.cuda.synchronize()
-    return host * 1e3 / n
+    sync()
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(rounds):
+        for fn, ts in zip(fns, times):
+            t = time.perf_counter()
+            for _ in range(n):
+                fn()
+            ts.append((time.perf_counter() - t) * 1e3 / n)
+            sync()
+    return times
+
+
+def spread(ts: list[float]) -> dict:
+    """median, min and max of one variant's rounds."""
+    return dict(host_ms=statistics.median(ts), host_ms_min=min(ts), host_ms_max=max(ts), host_ms_rounds=ts)
 
 
 def kernels_per_layer(fn, n: int = 20) -> float:
@@ -221,7 +237,8 @@ def main() -> int:
     ap.add_argument("--out", default="/tmp/host_profile")
     ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--chunk", type=int, default=256)
-    ap.add_argument("--layers", type=int, default=200)
+    ap.add_argument("--layers", type=int, default=200, help="back-to-back calls per timing")
+    ap.add_argument("--rounds", type=int, default=5, help="timings per variant, interleaved; the median is reported")
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--path", choices=["sparse", "dense", "both"], default="sparse",
                     help="profile the sparse path's layer (the default), a dense pass's layer against stock's, or both")
@@ -231,37 +248,45 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     results = []
     dense = []
-    if a.path in ("dense", "both"):
-        for name, fn in dense_layers(a.dense_tokens):
-            r = dict(name=name, tokens=a.dense_tokens, host_ms=host_ms(fn, a.layers), gpu_ms=gpu_ms(fn),
-                     kernels=kernels_per_layer(fn), top=top_functions(fn, a.layers, 12))
-            dense.append(r)
-            print(f"{name}: host {r['host_ms']:.3f} ms, GPU {r['gpu_ms']:.3f} ms, {r['kernels']:.1f} kernels",
-                  flush=True)
+    layers = dense_layers(a.dense_tokens) if a.path in ("dense", "both") else []
+    sparse = []
     for selector, params, kernel in SELECTORS if a.path != "dense" else ():
         layer, mode = make_layer(selector, params, kernel, a.context, a.chunk)
-        ms = host_ms(layer, a.layers)
+        sparse.append((selector, params, kernel, mode, layer))
+    host = [spread(ts) for ts in host_ms_rounds([fn for _, fn in layers] + [s[-1] for s in sparse], a.layers,
+                                                a.rounds)]
+    for (name, fn), h in zip(layers, host):
+        r = dict(name=name, tokens=a.dense_tokens, **h, gpu_ms=gpu_ms(fn), kernels=kernels_per_layer(fn),
+                 top=top_functions(fn, a.layers, 12))
+        dense.append(r)
+        print(f"{name}: host {r['host_ms']:.3f} ms [{r['host_ms_min']:.3f}, {r['host_ms_max']:.3f}], "
+              f"GPU {r['gpu_ms']:.3f} ms, {r['kernels']:.1f} kernels", flush=True)
+    for (selector, params, kernel, mode, layer), h in zip(sparse, host[len(layers):]):
         r = dict(selector=selector, params=params, kernel=kernel, mode=mode, context=a.context, chunk=a.chunk,
-                 host_ms_per_layer=ms, kernels_per_layer=kernels_per_layer(layer),
-                 top=top_functions(layer, a.layers, a.top))
+                 host_ms_per_layer=h["host_ms"], **{k: v for k, v in h.items() if k != "host_ms"},
+                 kernels_per_layer=kernels_per_layer(layer), top=top_functions(layer, a.layers, a.top))
         results.append(r)
-        print(f"{selector} {params} ({kernel}, {mode}): host {ms:.3f} ms per layer, {r['kernels_per_layer']:.1f} kernels",
-              flush=True)
+        print(f"{selector} {params} ({kernel}, {mode}): host {r['host_ms_per_layer']:.3f} ms per layer "
+              f"[{r['host_ms_min']:.3f}, {r['host_ms_max']:.3f}], {r['kernels_per_layer']:.1f} kernels", flush=True)
     meta = dict(gpu=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                 command="python3 scripts/gpu/host_profile.py " + " ".join(sys.argv[1:]))
     (out / "host_profile.json").write_text(json.dumps(dict(meta, results=results, dense=dense), indent=1))
     lines = [f"# Host time per layer ({meta['gpu']}, {meta['date']})", "", f"`{meta['command']}`", ""]
     if dense:
         lines += [f"Dense pass, no cached prefix, {a.dense_tokens} tokens, Qwen2.5-0.5B heads (14/2 x 64, page 32):",
-                  "", "| layer | host ms | GPU ms | CUDA kernels |", "| --- | --- | --- | --- |"]
-        lines += [f"| {r['name']} | {r['host_ms']:.3f} | {r['gpu_ms']:.3f} | {r['kernels']:.1f} |" for r in dense]
+                  "", "| layer | host ms (median [min, max] of the rounds) | GPU ms | CUDA kernels |",
+                  "| --- | --- | --- | --- |"]
+        lines += [f"| {r['name']} | {r['host_ms']:.3f} [{r['host_ms_min']:.3f}, {r['host_ms_max']:.3f}] | "
+                  f"{r['gpu_ms']:.3f} | {r['kernels']:.1f} |" for r in dense]
         lines.append("")
     if results:
         lines += ["Sparse path:", "",
-                  "| selector | parameters | rows kernel | plan | host ms / layer | CUDA kernels / layer |",
+                  "| selector | parameters | rows kernel | plan | host ms / layer (median [min, max]) "
+                  "| CUDA kernels / layer |",
                   "| --- | --- | --- | --- | --- | --- |"]
         lines += [f"| {r['selector']} | {json.dumps(r['params'])} | {r['kernel']} | {r['mode']} | "
-                  f"{r['host_ms_per_layer']:.3f} | {r['kernels_per_layer']:.1f} |" for r in results]
+                  f"{r['host_ms_per_layer']:.3f} [{r['host_ms_min']:.3f}, {r['host_ms_max']:.3f}] | "
+                  f"{r['kernels_per_layer']:.1f} |" for r in results]
     summary = len(lines)   # the title, the command and the tables
     for r in dense:
         lines += ["", f"## {r['name'].strip()}: top functions by own time (per call)", "",

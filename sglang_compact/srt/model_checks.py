@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from sglang_compact.config import CompactConfig
+from sglang_compact.kernels import flashprefill as flashprefill_kernel
 from sglang_compact.srt.compat import AttentionLayerInfo, RunnerView
 
 FLASHINFER_HEAD_DIMS = (64, 128, 256)
@@ -28,6 +29,18 @@ def config_for(attached: CompactConfig | None, page_size: int) -> CompactConfig:
         raise UnsupportedModelError(f"--compact-block-size {cfg.block_size} differs from --page-size {page_size}; "
                                     "a compact block is one KV page: drop --compact-block-size")
     return cfg
+
+
+def check_search_kernel(config: CompactConfig, device_type: str) -> None:
+    """On CUDA, refuse a selector `query_stride` that leaves the search kernel fewer than
+    `MIN_QUERY_TILE` queries of each page: the search would fall back to its plain-torch twin, right but slow
+    and memory-hungry at long contexts, with nothing to say so. (The CPU runs the twin anyway.)"""
+    qs = getattr(config.params, "query_stride", 1)
+    bs, least = config.block_size, flashprefill_kernel.MIN_QUERY_TILE
+    if device_type == "cuda" and bs // qs < least:
+        raise UnsupportedModelError(f"selector {config.selector!r}: query_stride {qs} scores {bs // qs} queries of "
+                                    f"each {bs}-token page, the CUDA search kernel needs at least {least}: use "
+                                    f"query_stride <= {max(bs // least, 1)} at --page-size {bs}, or a larger page")
 
 
 def check_runner(view: RunnerView) -> None:

@@ -15,7 +15,7 @@ from sglang_compact.gate import Gate, ModelShape
 from sglang_compact.summaries import PageSummaries
 from sglang_compact.srt import alignment, compat
 from sglang_compact.srt.model_checks import (UnsupportedModelError, check_attention_layers, check_runner,
-                                             config_for)
+                                             check_search_kernel, config_for)
 from sglang_compact.srt.prompt_notes import NOTES
 from sglang_compact.srt.telemetry import CompactTelemetry, metrics_for
 
@@ -113,6 +113,7 @@ class CompactRuntime:
         view = compat.runner_view(model_runner)
         config = config_for(compat.attached_config(model_runner.server_args), view.page_size)
         check_runner(view)
+        check_search_kernel(config, view.device.type)
         h_q, scale = check_attention_layers(compat.attention_layers(model_runner.model), view.num_kv_heads,
                                             view.head_dim)
         compact = CompactAttention(config)
