@@ -327,3 +327,24 @@ def test_layer_density_gives_named_layers_their_own_budget(name):
     assert ca.row_pages(b) == other.counts.tolist()
     assert any(a < c for a, c in zip(other.counts.tolist(), own.counts.tolist()))
     assert (own.table | ~other.table).all()        # more pages of the same ranking: a superset
+
+
+def test_rows_longer_than_the_top_pages_tile_rank_on_the_twin_and_say_so_once(monkeypatch, caplog):
+    """On CUDA a row of more pages than the top-pages kernel tiles (`MAX_PAGES`) ranks on its torch twin: the same
+    rows, and one warning per process naming the page count (seen here on the CPU by telling the dispatch it is
+    on CUDA with a tile too small for the rows)."""
+    import sglang_compact.indices as indices
+
+    b = batch(seed=3)
+    config = cfg("quest_budget", density=0.3, min_tokens=0)
+    sel = make_selector(config).select(b, 0, batch_summaries(b))
+    want, want_idx = top_pages_indices(sel.ranked, sel.counts, b, 0, 0, sel.per_qblock)
+    monkeypatch.setattr(indices, "use_triton", lambda x: True)
+    monkeypatch.setattr(indices.top_pages_kernel, "supports", lambda n_pages: False)
+    monkeypatch.setattr(indices, "_warned_top_pages_twin", False)
+    with caplog.at_level("WARNING", logger="sglang_compact.indices"):
+        for _ in range(2):
+            got, got_idx = top_pages_indices(sel.ranked, sel.counts, b, 0, 0, sel.per_qblock)
+            assert torch.equal(got, want) and torch.equal(got_idx.kv_indices, want_idx.kv_indices)
+    warned = [r.getMessage() for r in caplog.records if "top-pages kernel" in r.getMessage()]
+    assert len(warned) == 1 and f"rows of {sel.ranked.shape[-1]} pages" in warned[0], warned
