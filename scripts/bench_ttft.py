@@ -64,6 +64,7 @@ sys.path.insert(0, str(REPO / "scripts" / "gpu"))
 from make_llama_config import write_model_dir  # noqa: E402
 from serving_check import generate, start_server  # noqa: E402
 import trace_summary  # noqa: E402
+from harness.eval.methods import file_label  # noqa: E402
 
 STOCK = "sglang.launch_server"
 COMPACT = "sglang_compact.launch_server"
@@ -138,11 +139,6 @@ def split_methods(text: str) -> list[str]:
         else:
             out.append(piece)
     return out
-
-
-def file_label(method: str) -> str:
-    """A method name as a file name (`compact:quest_budget:density=0.2` -> `compact_quest_budget_density0.2`)."""
-    return method.replace(":", "_").replace("=", "").replace(",", "_").replace("/", "_")
 
 
 def method_env(method: str) -> dict[str, str]:

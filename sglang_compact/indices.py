@@ -25,9 +25,9 @@ from sglang_compact.batch import ChunkBatch
 from sglang_compact.kernels import indices as indices_kernel
 from sglang_compact.kernels import indices_naive, top_pages_naive, use_triton
 from sglang_compact.kernels import top_pages as top_pages_kernel
+from sglang_compact.logs import log_once
 
 logger = logging.getLogger(__name__)
-_warned_top_pages_twin = False
 
 
 @dataclass
@@ -134,17 +134,9 @@ def top_pages_indices(ranked: torch.Tensor, counts: torch.Tensor, batch: ChunkBa
     if use_triton(ranked) and top_pages_kernel.supports(ranked.shape[-1]):
         table, kv_indptr, kv_indices = top_pages_kernel.top_pages(*args, out=_out(batch, buffers))
     else:
-        if use_triton(ranked):
-            _warn_top_pages_twin(ranked.shape[-1])
+        if use_triton(ranked):  # a row longer than the kernel's tile: ranked on its torch twin (right, slower)
+            log_once(logger, logging.WARNING, "sglang_compact: rows of %d pages exceed the top-pages kernel's %d; "
+                     "they are ranked by its torch twin (slower). A larger --page-size keeps such prompts on the "
+                     "kernel.", ranked.shape[-1], top_pages_kernel.MAX_PAGES)
         table, kv_indptr, kv_indices = top_pages_naive.top_pages(*args)
     return table, PagedIndices(kv_indptr, kv_indices, batch.num_rows)
-
-
-def _warn_top_pages_twin(n_pages: int) -> None:
-    """Once per process: a row longer than the top-pages kernel's tile ranks on its torch twin (right, slower)."""
-    global _warned_top_pages_twin
-    if not _warned_top_pages_twin:
-        _warned_top_pages_twin = True
-        logger.warning("sglang_compact: rows of %d pages exceed the top-pages kernel's %d; they are ranked by its "
-                       "torch twin (slower). A larger --page-size keeps such prompts on the kernel.", n_pages,
-                       top_pages_kernel.MAX_PAGES)

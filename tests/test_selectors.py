@@ -334,6 +334,7 @@ def test_rows_longer_than_the_top_pages_tile_rank_on_the_twin_and_say_so_once(mo
     rows, and one warning per process naming the page count (seen here on the CPU by telling the dispatch it is
     on CUDA with a tile too small for the rows)."""
     import sglang_compact.indices as indices
+    from sglang_compact import logs
 
     b = batch(seed=3)
     config = cfg("quest_budget", density=0.3, min_tokens=0)
@@ -341,7 +342,7 @@ def test_rows_longer_than_the_top_pages_tile_rank_on_the_twin_and_say_so_once(mo
     want, want_idx = top_pages_indices(sel.ranked, sel.counts, b, 0, 0, sel.per_qblock)
     monkeypatch.setattr(indices, "use_triton", lambda x: True)
     monkeypatch.setattr(indices.top_pages_kernel, "supports", lambda n_pages: False)
-    monkeypatch.setattr(indices, "_warned_top_pages_twin", False)
+    logs.reset()
     with caplog.at_level("WARNING", logger="sglang_compact.indices"):
         for _ in range(2):
             got, got_idx = top_pages_indices(sel.ranked, sel.counts, b, 0, 0, sel.per_qblock)

@@ -45,6 +45,11 @@ def compact_server_args(selector: str, params: dict[str, Any], min_context: int,
     return extra + method_level_flags(m)
 
 
+def file_label(spec: str) -> str:
+    """A method spec as a file name (`compact:quest_budget:density=0.2` -> `compact_quest_budget_density0.2`)."""
+    return spec.replace(":", "_").replace("=", "").replace(",", "_").replace("/", "_")
+
+
 def method_level_flags(m) -> list[str]:
     """The server flags of a compact `fidelity.Method`'s method-level parameters, where given: dense_layers,
     dense_above, density_cap."""

@@ -78,7 +78,7 @@ BASE_RESULTS = REPO / "docs" / "results" / "accuracy.json"
 
 from harness.eval import results as R  # noqa: E402
 from harness.eval.client import Client  # noqa: E402
-from harness.eval.methods import compact_method_params, compact_server_args, hf_method_params  # noqa: E402
+from harness.eval.methods import compact_method_params, compact_server_args, file_label, hf_method_params  # noqa: E402
 from harness.eval.rows import HF_DENSITY_SOURCE, SERVER_DENSITY_SOURCE, accuracy_rows, cell_densities  # noqa: E402
 from harness.eval.runs import load_hf_model, run_samples, run_samples_hf  # noqa: E402
 from harness.eval.tasks import TASKS, LENGTHS  # noqa: E402
@@ -96,10 +96,6 @@ Cell = tuple[int, str]  # (length, task)
 
 
 # --- methods ---------------------------------------------------------------------------------------------
-
-def file_label(spec: str) -> str:
-    return spec.replace(":", "_").replace("=", "").replace(",", "_").replace("/", "_")
-
 
 @dataclass
 class MethodRun:

@@ -34,16 +34,10 @@ from __future__ import annotations
 import logging
 import math
 
+from sglang_compact.logs import log_once
 from sglang_compact.srt import compat
 
 logger = logging.getLogger(__name__)
-_WARNED: set[str] = set()
-
-
-def _warn_once(message: str, **kwargs) -> None:
-    if message not in _WARNED:
-        _WARNED.add(message)
-        logger.error(message, **kwargs)
 
 
 #: the gate of this scheduler's compact backend (set by the backend at start; None: no compact backend)
@@ -107,8 +101,8 @@ def limit_cached_prefix(original, cache, req, *args, **kwargs):
         try:
             held = compat.cached_prefix_len(cache, req, limit)
         except Exception:  # an SGLang whose cache we do not understand: cache only the part below the gate
-            _warn_once("sglang_compact: could not read the radix cache's match for a request; caching only its "
-                       "part below the gate", exc_info=True)
+            log_once(logger, logging.ERROR, "sglang_compact: could not read the radix cache's match for a request; "
+                     "caching only its part below the gate", exc_info=True)
             held = limit = min(limit, dense_below)
         if held % gate.window and held > dense_below:
             limit = held // gate.window * gate.window
