@@ -168,6 +168,8 @@ class CompactConfig:
     def describe(self) -> str:
         """One line for logs: the selector, its parameters, and the rest."""
         p = ", ".join(f"{k}={v}" for k, v in self.params.as_dict().items())
+        if getattr(self.params, "query_stride", None) == 0:
+            p += f"; query stride {self.params.query_stride_at(self.block_size)} at this page size"
         gate = "auto" if self.min_context is None else self.min_context
         window = "auto" if self.union_window is None else self.union_window
         return (f"selector={self.selector!r}({p}), page {self.block_size}, sink {self.sink_blocks}, "

@@ -108,7 +108,9 @@ class CostModel:
         tile); 0: not measured on this GPU, so a selector that reads the bounds is not priced;
     sparse_gpu_s: GPU time per layer the sparse path adds whatever the sizes (index kernel, copies);
     sparse_host_s / dense_host_s: host time to launch one layer of each path (a layer takes at least this);
-    margin: the sparse path must be predicted this much faster.
+    margin: the sparse path must be predicted this much faster;
+    capability / multiprocessors: the GPU's compute capability ("9.0") and SM count, by which a GPU without a
+        model of its own borrows this one (`cost_model_for`).
     """
 
     gpu: str
@@ -121,6 +123,8 @@ class CostModel:
     dense_host_s: float = 0.0
     margin: float = 0.1
     source: str = ""
+    capability: str = ""
+    multiprocessors: int = 0
 
     def search_model(self, key_bounds: bool) -> "CostModel | None":
         """This model priced for a selector's search: as it is for the mean-key search, with the key-bound
@@ -202,10 +206,21 @@ def load_cost_models() -> dict[str, CostModel]:
     return {name: CostModel(gpu=name, **entry) for name, entry in json.loads(text)["gpus"].items()}
 
 
-def cost_model_for(device_name: str | None) -> CostModel | None:
+def cost_model_for(device_name: str | None, capability: str = "", multiprocessors: int = 0) -> CostModel | None:
+    """The cost model calibrated on this GPU; else one calibrated on a GPU of the same compute capability and SM
+    count (an H100 SXM borrows the H200's: the same Hopper SMs, less memory bandwidth), its source saying so;
+    else None (the gate's fixed fallback)."""
     if not device_name:
         return None
-    return load_cost_models().get(device_name)
+    models = load_cost_models()
+    if device_name in models:
+        return models[device_name]
+    for m in models.values():
+        if capability and multiprocessors and (m.capability, m.multiprocessors) == (capability, multiprocessors):
+            return replace(m, gpu=f"{m.gpu}, applied to {device_name}",
+                           source=f"{m.source}; not calibrated on {device_name}: the same compute capability "
+                                  f"{capability} and {multiprocessors} SMs")
+    return None
 
 
 @dataclass(frozen=True)
@@ -250,16 +265,17 @@ class Gate:
     @classmethod
     def for_server(cls, config, shape: ModelShape, chunk_size: int | None, device_name: str | None,
                    kernel: str, max_context: int, rows_kernel: str | None = None,
-                   num_layers: int | None = None) -> "Gate":
-        """The gate of a server: the flag, else the cost model of this GPU, else the fallback. `kernel`: the
-        dense passes' FlashInfer kernel; `rows_kernel`: the sparse rows' (default: the same); `num_layers`: the
-        model's (its sparse passes are priced whole, `SparsePassLayers`; None: one selecting layer)."""
+                   num_layers: int | None = None, capability: str = "", multiprocessors: int = 0) -> "Gate":
+        """The gate of a server: the flag, else the cost model of this GPU (or of one with its `capability` and
+        `multiprocessors`: `cost_model_for`), else the fallback. `kernel`: the dense passes' FlashInfer kernel;
+        `rows_kernel`: the sparse rows' (default: the same); `num_layers`: the model's (its sparse passes are
+        priced whole, `SparsePassLayers`; None: one selecting layer)."""
         spec = config.spec
         window = config.window_tokens(chunk_size)
-        model = cost_model_for(device_name)
+        model = cost_model_for(device_name, capability, multiprocessors)
         priced = model.search_model(spec.uses_key_bounds) if model is not None and spec.priced_search else None
         rk = rows_kernel or kernel
-        qs = getattr(config.params, "query_stride", 1)
+        qs = config.params.query_stride_at(config.block_size)
 
         def pass_layers(falls_back: bool) -> SparsePassLayers | None:
             """A sparse pass's layers; `falls_back`: the observed-density fallback is on (dense_above < 1), so

@@ -120,3 +120,21 @@ def test_render_only_rebuilds_the_table(smoke):
                            str(out)], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "| compact_flashprefill |" in (out / "speed_attention.md").read_text()
+
+
+def test_each_row_records_the_query_stride_its_search_ran():
+    """`--query-stride` unset runs each selector at its own stride (`quest_budget`: 16 queries of each page, 4 at
+    page 64; `budget`: every query) and the row says which; given, it applies to every strided search."""
+    import argparse
+
+    from harness.bench_attention.methods import known_methods, query_stride_run
+
+    def strides(qs):
+        args = argparse.Namespace(page_size=64, query_stride=qs, alpha=0.06, xattn_threshold=0.9, xattn_stride=8,
+                                  sink_blocks=1, recent_blocks=1)
+        return {m.name: query_stride_run(args, m) for m in known_methods([0.25])}
+
+    default, given = strides(None), strides(2)
+    assert default["compact_fa3_quest_budget_0.25"] == 4 and default["compact_fa3_budget_0.25"] == 1
+    assert default["dense_fa3"] is None and default["compact_fa3_xattention"] is None
+    assert given["compact_fa3_quest_budget_0.25"] == given["compact_fa3_mass_budget_0.25"] == 2

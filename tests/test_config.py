@@ -43,9 +43,9 @@ def test_the_default_floor_is_in_tokens(page, pages):
     ({"selector": "flashprefill", "selector_params": {"query_stride": 3}}, "selector_params['query_stride']",
      "power of two in [1, 16]"),
     ({"selector": "budget", "selector_params": {"query_stride": 32}}, "selector_params['query_stride']",
-     "integer in [1, 16]"),
+     "integer in [0, 16]"),
     ({"selector": "quest_budget", "selector_params": {"query_stride": 3}}, "selector_params['query_stride']",
-     "power of two in [1, 16]"),
+     "0 or a power of two in [1, 16]"),
     ({"density_cap": 0.0}, "density_cap", "(0, 1]"),
     ({"density_cap": 1.5}, "density_cap", "(0, 1]"),
     ({"selector": "flashprefill", "selector_params": {"alpha": 2.0}}, "selector_params['alpha']", "[0.0, 1.0]"),
@@ -144,6 +144,30 @@ def test_a_query_stride_below_the_search_kernels_tile_is_refused_on_cuda(page, s
                                f"of each {page}-token page.*use query_stride <= {max(page // 16, 1)} at --page-size"):
                 check_search_kernel(cfg, "cuda")
     check_search_kernel(CompactConfig(block_size=16, selector="xattention"), "cuda")
+
+
+@pytest.mark.parametrize("page", [16, 32, 64, 128, 256])
+def test_the_default_selectors_query_stride_follows_the_page_size(page):
+    """`quest_budget`'s default `query_stride` (0) scores 16 queries of each page, the search kernel's smallest query
+    tile: the cheapest search the CUDA kernel runs at every page size, never refused at launch. `budget` scores
+    every query unless asked (0 there too); `flashprefill` takes no 0."""
+    from sglang_compact.kernels.flashprefill import MIN_QUERY_TILE, supports
+    from sglang_compact.selectors.registry import SCORED_QUERIES_PER_PAGE
+    from sglang_compact.srt.model_checks import check_search_kernel
+
+    assert SCORED_QUERIES_PER_PAGE == MIN_QUERY_TILE
+    cfg = CompactConfig(block_size=page)
+    assert cfg.selector == "quest_budget" and cfg.params.query_stride == 0
+    stride = cfg.params.query_stride_at(page)
+    assert stride == page // 16 and supports(64, page, stride)
+    assert f"query_stride=0; query stride {stride} at this page size" in cfg.describe()   # the server's start line
+    check_search_kernel(cfg, "cuda")
+    assert CompactConfig(block_size=page, selector="budget").params.query_stride_at(page) == 1
+    assert CompactConfig(block_size=page, selector="budget",
+                         selector_params={"query_stride": 0}).params.query_stride_at(page) == stride
+    assert CompactConfig(block_size=page, selector="xattention").params.query_stride_at(page) == 1
+    with pytest.raises(ValueError, match=r"selector_params\['query_stride'\]: must be an integer in \[1, 16\]"):
+        CompactConfig(block_size=page, selector="flashprefill", selector_params={"query_stride": 0})
 
 
 @pytest.mark.parametrize("text,match", [("2-6", "layers:value"), ("2-6:1.5", r"value in \[0.0, 1.0\]"),

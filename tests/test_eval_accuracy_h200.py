@@ -64,6 +64,21 @@ def test_dry_run_prints_the_plan(acc, tmp_path, capsys):
     assert not (tmp_path / "accuracy.json").exists()
 
 
+@pytest.mark.parametrize("smi, label", [("NVIDIA H100 80GB HBM3", "h100"), ("NVIDIA H200", "h200"),
+                                        ("Tesla T4", "t4"), ("", "gpu"), (None, "gpu")])
+def test_the_rows_name_the_gpu_that_ran_them(acc, tmp_path, monkeypatch, smi, label):
+    """The rows' device is the GPU's model as nvidia-smi names it (a lent H100 is not an H200), 'gpu' where
+    nvidia-smi is missing or says nothing; --device-label overrides it."""
+    if smi is not None:
+        tool = tmp_path / "nvidia-smi"
+        tool.write_text(f"#!/bin/sh\necho '{smi}'\n")
+        tool.chmod(0o755)
+    monkeypatch.setenv("PATH", str(tmp_path) if smi is not None else str(tmp_path / "none"))
+    assert acc.gpu_label() == label
+    assert acc.parse_args(["--out", str(tmp_path)]).device_label == label
+    assert acc.parse_args(["--out", str(tmp_path), "--device-label", "h200"]).device_label == "h200"
+
+
 def test_min_prefix_len_auto_leaves_the_gate_to_the_servers(acc, tmp_path, capsys):
     assert acc.main(["--dry-run", "--out", str(tmp_path), "--methods", "dense", "compact:quest_budget",
                      "--min-prefix-len", "auto"]) == 0
@@ -384,6 +399,7 @@ def test_main_with_stub_servers(acc, model_dir, tmp_path, monkeypatch, capsys):
             self.stopped += 1
 
     monkeypatch.setattr(acc, "make_server", FakeServer)
+    monkeypatch.setattr(acc, "gpu_label", lambda: "h200")
     monkeypatch.setattr(acc.R, "render_plot", lambda rows, path: False)  # matplotlib: slow, and not the point
     out = tmp_path / "out"
     rc = acc.main(["--out", str(out), "--model-dir", str(model_dir), "--methods", "dense",
@@ -504,6 +520,7 @@ def test_hf_child_starts_after_the_servers_are_up(acc, model_dir, tmp_path, monk
             return 0
 
     monkeypatch.setattr(acc, "make_server", make)
+    monkeypatch.setattr(acc, "gpu_label", lambda: "h200")
     monkeypatch.setattr(acc.subprocess, "Popen", FakeChild)
     monkeypatch.setattr(acc.R, "render_plot", lambda rows, path: False)
     out = tmp_path / "out"

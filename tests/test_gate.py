@@ -300,13 +300,17 @@ def test_the_key_bound_search_is_priced_at_its_own_throughput():
     assert m.search_model(True).layer_times(SHAPE_8B, L, 1024, 0.3, "fa3")[1] > m.layer_times(SHAPE_8B, L, 1024,
                                                                                               0.3, "fa3")[1]
     budget = CompactConfig(block_size=64, selector="budget", selector_params={"density": 0.3})
-    quest = budget.replace(selector="quest_budget")
+    quest = budget.replace(selector="quest_budget", selector_params={"query_stride": 1})   # budget's stride
     with mock.patch("sglang_compact.gate.cost_model_for", return_value=m):
         b = Gate.for_server(budget, SHAPE_8B, 1024, "test", "fa3", 131072, "fa3", num_layers=32)
         q = Gate.for_server(quest, SHAPE_8B, 1024, "test", "fa3", 131072, "fa3", num_layers=32)
     assert b.decision.source == q.decision.source == "cost model"
     assert not q.decision.never and q.decision.min_context > b.decision.min_context
     assert q.dense_above < b.dense_above
+    with mock.patch("sglang_compact.gate.cost_model_for", return_value=m):   # the default stride: 16 of 64 queries
+        strided = Gate.for_server(quest.replace(selector_params={}), SHAPE_8B, 1024, "test", "fa3", 131072, "fa3",
+                                  num_layers=32)
+    assert strided.decision.min_context < q.decision.min_context
     with mock.patch("sglang_compact.gate.cost_model_for", return_value=model()):
         unpriced = Gate.for_server(quest, SHAPE_8B, 1024, "test", "fa3", 131072, "fa3", num_layers=32)
     assert unpriced.decision.min_context == FALLBACK_MIN_CONTEXT and unpriced.decision.source == "fallback"
@@ -333,3 +337,28 @@ def test_the_cost_gate_starts_at_a_whole_chunk(shape):
     assert big.uses_compact_path(8192, 8192, 32768)
     assert big.sparse_range(32768)[0] * big.window == 8192
     assert "whole chunks" not in small.decision.detail                  # one window per chunk: as the model says
+
+
+def test_a_gpu_without_its_own_cost_model_borrows_one_of_the_same_architecture():
+    """An H100 SXM (compute capability 9.0, 132 SMs, the GH100 die of the H200) has no calibration of its own: it
+    gets the H200's model, named as borrowed in the gate's reason, instead of the fixed 4096-token fallback that
+    made small models slower than stock there; another architecture or SM count gets none."""
+    from sglang_compact.gate import cost_model_for
+
+    h200 = cost_model_for("NVIDIA H200")
+    assert h200 is not None and (h200.capability, h200.multiprocessors) == ("9.0", 132)
+    h100 = cost_model_for("NVIDIA H100 80GB HBM3", "9.0", 132)
+    assert h100.dense_flops == h200.dense_flops and h100.sparse_host_s == h200.sparse_host_s
+    assert h100.gpu == "NVIDIA H200, applied to NVIDIA H100 80GB HBM3" and "not calibrated on" in h100.source
+    assert cost_model_for("NVIDIA H100 PCIe", "9.0", 114) is None
+    assert cost_model_for("NVIDIA A100-SXM4-80GB", "8.0", 108) is None
+    assert cost_model_for("NVIDIA H100 80GB HBM3") is None                 # nothing known of the device
+    cfg = CompactConfig(block_size=32)
+
+    def gate(name, **device):
+        return Gate.for_server(cfg, SHAPE_05B, 1024, name, "fa3", 131072, "fa3", num_layers=24, **device)
+    borrowed = gate("NVIDIA H100 80GB HBM3", capability="9.0", multiprocessors=132)
+    assert borrowed.decision.source == "cost model" and "applied to NVIDIA H100 80GB HBM3" in borrowed.decision.detail
+    assert borrowed.decision.min_context == gate("NVIDIA H200").decision.min_context > FALLBACK_MIN_CONTEXT
+    assert borrowed.dense_above == gate("NVIDIA H200").dense_above
+    assert gate("NVIDIA H100 80GB HBM3").decision.source == "fallback"

@@ -255,6 +255,23 @@ def test_quest_bound_scores_equal_a_per_query_loop(query_stride):
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
 
 
+def test_quest_budget_scores_16_queries_of_each_page_by_default():
+    """The default `query_stride` (0) is page_size // 16: at page 32 the selector scores as stride 2 does, and not
+    as stride 1 (the stride is read)."""
+    b = random_batch([300, 64, 500], [70, 20, 40], num_q_heads=4, num_kv_heads=2, head_dim=16, page_size=32, seed=3,
+                     structured=True, window_pages=2)
+    summaries = batch_summaries(b)
+
+    def scores(**params):
+        c = CompactConfig(block_size=32, selector="quest_budget", selector_params=params, sink_blocks=0,
+                          recent_blocks=0)
+        return make_selector(c).select(b, 0, summaries).scores
+
+    auto = scores()
+    assert torch.equal(auto, scores(query_stride=2))
+    assert not torch.allclose(auto, scores(query_stride=1), atol=1e-4)
+
+
 def test_quest_budget_rows_are_fixed_on_the_host():
     from sglang_compact.compact import CompactAttention
     b = batch(12, prefix=(300, 37, 520), chunk=(40, 17, 33))

@@ -86,7 +86,8 @@ import torch
 
 from harness.bench_attention.config_run import ConfigRun
 from harness.bench_attention.inputs import GenParams, structured_batch
-from harness.bench_attention.methods import DEFAULT_METHODS, FI_VERSION, HAVE_FI, Skip, select_methods
+from harness.bench_attention.methods import (DEFAULT_METHODS, FI_VERSION, HAVE_FI, Skip, query_stride_run,
+                                             select_methods)
 from harness.bench_attention.report import (finish_rows, load_rows, print_pivots, print_summary, render_markdown,
                                             render_png, save_json)
 from harness.bench_attention.timing import Timer
@@ -116,9 +117,10 @@ def parse_args(argv=None, defaults: Mapping[str, Any] | None = None):
     p.add_argument("--methods", default=DEFAULT_METHODS, help=f"comma list of patterns (default {DEFAULT_METHODS})")
     p.add_argument("--budgets", default="0.1,0.2,0.3,0.4,0.5,1.0", help="fixed densities for budget_<d> methods")
     p.add_argument("--alpha", type=float, default=0.06, help="flashprefill alpha")
-    p.add_argument("--query-stride", type=int, default=1,
+    p.add_argument("--query-stride", type=int, default=None,
                    help="flashprefill / budget search: score every s-th query of each block; mass_budget: every "
-                        "s-th antidiagonal row (its row_stride); s times cheaper")
+                        "s-th antidiagonal row (its row_stride); s times cheaper (default: each selector's own; "
+                        "the row records the stride run)")
     p.add_argument("--xattn-threshold", type=float, default=0.9)
     p.add_argument("--xattn-stride", type=int, default=8)
     p.add_argument("--union-window", type=int, default=None, metavar="TOKENS",
@@ -235,8 +237,7 @@ def main(argv=None, defaults: Mapping[str, Any] | None = None) -> int:
         window = args.union_window or CompactConfig(block_size=args.page_size).window_tokens(ch)
         base = dict(bench="attention", gpu=gpu, date=meta["date"], context=ctx, chunk=ch, batch=bsz, q_heads=hq,
                     kv_heads=hk, head_dim=args.head_dim, page_size=args.page_size, dtype=meta["dtype"], run_id=run_id,
-                    run_tag=run_tag, cmd=cmd, inputs=meta["inputs"], query_stride=args.query_stride,
-                    union_window=window)
+                    run_tag=run_tag, cmd=cmd, inputs=meta["inputs"], union_window=window)
         rows: list[dict] = []
         run, why, why_status = None, "", "skipped"
         if args.deadline_s is not None and time.time() - t_start > args.deadline_s:
@@ -255,7 +256,7 @@ def main(argv=None, defaults: Mapping[str, Any] | None = None) -> int:
                 traceback.print_exc(file=sys.stderr)
         for mi, m in enumerate(methods):
             row = dict(base, method=m.name, density=m.fixed_density, ms=None, speedup_vs_dense=None, overhead_frac=None,
-                       status="ok", order=mi)
+                       status="ok", order=mi, query_stride=query_stride_run(args, m))
             if run is None:
                 row.update(status=why_status, note=why)
             else:

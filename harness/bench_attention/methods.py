@@ -65,15 +65,29 @@ def select_methods(spec: str, budgets: list[float], fi_usable: bool) -> list[Met
     return out
 
 
+def query_stride_run(args, m: Method) -> int | None:
+    """The query stride the method's search runs with (`mass_budget`: its row_stride); None: no strided search."""
+    if not m.selector:
+        return None
+    params = selector_config(args, m).params
+    if hasattr(params, "query_stride"):
+        return params.query_stride_at(args.page_size)
+    return getattr(params, "row_stride", None)
+
+
 def selector_config(args, m: Method, union_window: int | None = None) -> CompactConfig:
+    # --query-stride unset: the selector's own default (`quest_budget`: 16 scored queries of each page)
+    given = {} if args.query_stride is None else {"query_stride": args.query_stride}
     if m.selector == "flashprefill":
-        params = {"alpha": args.alpha, "query_stride": args.query_stride, **m.params}
+        params = {"alpha": args.alpha, **given, **m.params}
     elif m.selector == "xattention":
         params = {"threshold": args.xattn_threshold, "stride": args.xattn_stride}
     elif m.selector == "mass_budget":
-        params = {"density": m.fixed_density, "stride": args.xattn_stride, "row_stride": args.query_stride}
+        params = {"density": m.fixed_density, "stride": args.xattn_stride}
+        if args.query_stride is not None:
+            params["row_stride"] = args.query_stride
     else:
-        params = {"density": m.fixed_density, "query_stride": args.query_stride}
+        params = {"density": m.fixed_density, **given}
     # the benchmark's batches fix their windows (`union_window` tokens) and make every one sparse: min_context and
     # dense_tail are not read
     return CompactConfig(block_size=args.page_size, selector=m.selector, selector_params=params,

@@ -382,8 +382,8 @@ def head_masks(batch: ChunkBatch, layer: int, cfg: CompactConfig, compact: Compa
                                              key_bounds=compact.uses_key_bounds)
     if cfg.selector in BLOCKSPARSE_FROM_SCORES:
         p = cfg.params
-        mask = threshold_rows(page_scores(batch, summaries, query_stride=p.query_stride), batch.candidates()[None],
-                              p.alpha)
+        scores = page_scores(batch, summaries, query_stride=p.query_stride_at(batch.page_size))
+        mask = threshold_rows(scores, batch.candidates()[None], p.alpha)
     else:
         sel = compact.selector.select(batch, layer, summaries)
         if sel.mask is None or (sel.mask.shape[0] != batch.num_q_heads):

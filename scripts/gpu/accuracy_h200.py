@@ -34,7 +34,7 @@ is not started. The HF child keeps its own schedule (the same cells unless
 records why it stopped. A cell's prompts do not depend on the other cells, so
 runs with different cell lists can be compared prompt by prompt.
 
-Rows (schema of docs/results/accuracy.json, device `h200`) are appended to
+Rows (schema of docs/results/accuracy.json, device: the GPU's model) are appended to
 `--results` (default $OUT/accuracy.json, first copied from
 docs/results/accuracy.json) when a cell is done, and accuracy.md/.png are
 re-rendered beside it at the end. Also under --out: logs/ (server logs, HF
@@ -59,6 +59,7 @@ import contextlib
 import datetime as _dt
 import json
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -453,7 +454,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "docs/results/accuracy.json)")
     p.add_argument("--model-dir", default="/tmp/smollm2-hf", help="HF folder of SmolLM2-135M-Instruct (bf16)")
     p.add_argument("--model-name", default="smollm2-135m-instruct", help="the rows' model")
-    p.add_argument("--device-label", default="h200", help="the rows' device")
+    p.add_argument("--device-label", default=None,
+                   help="the rows' device (default: the GPU's model from nvidia-smi, e.g. h100, h200)")
     p.add_argument("--methods", nargs="*", default=list(DEFAULT_METHODS),
                    help="server methods: dense | compact:SELECTOR[:k=v,...] (default: %(default)s)")
     p.add_argument("--hf-methods", nargs="*", default=[],
@@ -510,8 +512,22 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def gpu_label() -> str:
+    """The GPU's model as the rows name it ('h100', 'h200'), from nvidia-smi; 'gpu' where it cannot tell."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                             text=True, timeout=30).stdout
+        name = out.splitlines()[0].strip()
+    except (OSError, subprocess.SubprocessError, IndexError):
+        return "gpu"
+    model = re.search(r"\b([A-Z]\d{1,4})\b", name)        # H100, H200, A100, T4
+    return model.group(1).lower() if model else (name.lower().replace(" ", "-") or "gpu")
+
+
 def parse_args(argv: Sequence[str] | None = None):
     a = build_parser().parse_args(argv)
+    if a.device_label is None and not a.dry_run:
+        a.device_label = gpu_label()
     a.results = Path(a.results) if a.results else Path(a.out) / "accuracy.json"
     a.cells = list(a.cells) if a.cells else cell_order(a.lengths, a.tasks)
     a.hf_cells = list(a.cells) if a.hf_cells is None else list(a.hf_cells)
@@ -624,7 +640,8 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"{a.n} prompts per method per cell (seed {a.seed})")
         for i, (L, t) in enumerate(cells, 1):
             print(f"  {i:2d}. length {L:>6}  {t}")
-        print(f"# rows -> {a.results} (device {a.device_label!r}, model {a.model_name!r})")
+        device = a.device_label or "the GPU's model, from nvidia-smi"
+        print(f"# rows -> {a.results} (device {device!r}, model {a.model_name!r})")
         return 0
 
     if not Path(a.model_dir).is_dir():

@@ -120,6 +120,7 @@ def main() -> int:
     ap.add_argument("--margin", type=float, default=0.1)
     a = ap.parse_args()
     gpu = torch.cuda.get_device_name()
+    props = torch.cuda.get_device_properties(0)
     contexts = [int(x) for x in a.contexts.split(",")]
     chunks = [int(x) for x in a.chunks.split(",")]
     points = []
@@ -165,7 +166,8 @@ def main() -> int:
                       rows_flops={k: med(v) for k, v in rows_tp.items()}, search_flops=med(search_tp),
                       bounds_search_flops=med(bounds_tp),
                       sparse_gpu_s=0.0, sparse_host_s=sparse_host * 1e-3, dense_host_s=dense_host * 1e-3,
-                      margin=a.margin, source=f"scripts/gpu/calibrate_gate.py, {datetime.date.today()}")
+                      margin=a.margin, source=f"scripts/gpu/calibrate_gate.py, {datetime.date.today()}",
+                      capability=f"{props.major}.{props.minor}", multiprocessors=props.multi_processor_count)
     # the sparse path's fixed GPU cost: what a GPU-bound layer takes beyond its modelled search and attention
     for p in points:
         if p["path"] == "sparse" and p["ms"] * 1e-3 > model.sparse_host_s:

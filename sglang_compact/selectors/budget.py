@@ -4,7 +4,8 @@ Pages are ranked by their best mean-key score over the row's query heads and the
 window (forced sink / recent / window pages first), and the top `row_budget(last + 1, density)`
 are kept (at least `min_pages`, or `min_tokens` of pages, where the context has them), so the density the paged kernel
 reads is the requested one and every row's length is known on the host before any search: FlashInfer
-fa3 is planned once per forward pass. `query_stride` s scores every s-th query of each q-block only.
+fa3 is planned once per forward pass. `query_stride` s scores every s-th query of each q-block only (0: 16 of
+each page, the stride following the page size).
 `CompactConfig.density_cap` ranks the same way.
 
 `layer_density` gives some layers their own fraction (e.g. more pages in the first layers, fewer in the
@@ -21,6 +22,8 @@ from sglang_compact.selectors.base import Selection, Selector, budget_counts, bu
 from sglang_compact.selectors.registry import SelectorParams, param, parse_layer_values, register_selector
 
 
+QUERY_STRIDE_HELP = ("score every s-th query of each q-block (s times cheaper search); 0: score 16 queries of each "
+                     "page (page size / 16: 2 at page 32, 4 at page 64)")
 MIN_TOKENS_HELP = ("each sparse row keeps at least this many tokens of pages, ceil(min_tokens / page size) (its "
                    "context permitting); the larger of this and min_pages applies")
 
@@ -46,8 +49,7 @@ class RowBudgetParams(SelectorParams):
 
 @dataclass(frozen=True)
 class BudgetParams(RowBudgetParams):
-    query_stride: int = param(1, lo=1, hi=16, power_of_two=True,
-                              help="score every s-th query of each q-block (s times cheaper search)")
+    query_stride: int = param(1, lo=0, hi=16, power_of_two=True, help=QUERY_STRIDE_HELP)
 
 
 def layer_densities(params) -> dict[int, float]:
@@ -97,5 +99,6 @@ class BudgetSelector(Selector):
                              self.params.floor_pages(cfg.block_size))
 
     def select(self, batch, layer, summaries):
-        scores = page_scores(batch, summaries, group_max=True, query_stride=self.params.query_stride)  # [H_kv, NQB, NKV]
+        scores = page_scores(batch, summaries, group_max=True,
+                             query_stride=self.params.query_stride_at(batch.page_size))   # [H_kv, NQB, NKV]
         return Selection(ranked=scores, counts=self.counts(batch, layer), scores=scores)

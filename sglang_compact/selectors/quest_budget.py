@@ -12,8 +12,12 @@ rows are fixed on the host and FlashInfer fa3 is planned once per forward pass.
 The backend keeps each page's key max and min beside its key sum (`PageSummaries(key_bounds=True)`, refreshed
 by the KV store launch: two vectors per page and kv head in the pool's dtype), so the search reads
 O(context pages) per layer, as `budget`'s does, with two dot products per page tile instead of one.
-`query_stride` s (as `budget`'s) scores every s-th query of each q-block: an s times cheaper search, a
-different ranking (not measured for accuracy yet).
+`query_stride` s (as `budget`'s) scores every s-th query of each q-block, an s times cheaper search. The default,
+0, scores 16 queries of each page (the search kernel's smallest query tile: stride 2 at page 32, 4 at page 64):
+on Qwen2.5-Coder-0.5B at page 32 stride 2 gave stride 1's answers on 96 of 100 32K prompts (the same score) and
+kept the suite within the interval of dense (32K +0.5 [-2.2, +3.0], 16K -1.3 [-3.3, +0.2]); at 128K (page 64,
+stride 4) the search takes 0.39 ms of a 4.5 ms layer instead of 1.76 of 5.75 (docs/results/accuracy_notes.md and
+speed_no_harm.md, sessions 30-31).
 
 Why: on Qwen2.5-Coder-0.5B (chunk 1024, page 32) mean-key ranking (`budget`) loses 5 points at 32K at a third
 of the pages; this ranking at density 0.33 was within the interval of dense at 32K (+1.2 [-2.8, +5.3]) and
@@ -34,7 +38,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from sglang_compact.selectors.base import Selection, page_scores
-from sglang_compact.selectors.budget import MIN_TOKENS_HELP, BudgetParams, BudgetSelector, expected_density
+from sglang_compact.selectors.budget import (MIN_TOKENS_HELP, QUERY_STRIDE_HELP, BudgetParams, BudgetSelector,
+                                            expected_density)
 from sglang_compact.selectors.registry import param, register_selector
 
 
@@ -42,6 +47,7 @@ from sglang_compact.selectors.registry import param, register_selector
 class QuestBudgetParams(BudgetParams):
     density: float = param(0.25, lo=0.0, hi=1.0, help="fraction of each row's context pages kept")
     min_tokens: int = param(4096, lo=0, hi=1 << 30, help=MIN_TOKENS_HELP)
+    query_stride: int = param(0, lo=0, hi=16, power_of_two=True, help=QUERY_STRIDE_HELP)
 
 
 @register_selector("quest_budget", params=QuestBudgetParams, fixes_row_lengths=True, uses_key_bounds=True,
@@ -53,5 +59,5 @@ class QuestBudgetSelector(BudgetSelector):
 
     def select(self, batch, layer, summaries):
         scores = page_scores(batch, summaries, group_max=True, key_bounds=True,
-                             query_stride=self.params.query_stride)                     # [H_kv, NQB, NKV]
+                             query_stride=self.params.query_stride_at(batch.page_size))  # [H_kv, NQB, NKV]
         return Selection(ranked=scores, counts=self.counts(batch, layer), scores=scores)

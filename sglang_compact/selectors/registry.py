@@ -32,6 +32,12 @@ if TYPE_CHECKING:
 
 ENTRY_POINT_GROUP = "sglang_compact.selectors"
 
+# A `query_stride` of 0 scores this many queries of each page-sized q-block (stride page_size // 16, at least 1): the
+# FlashPrefill search kernel's smallest query tile (`kernels.flashprefill.MIN_QUERY_TILE`), so the cheapest search
+# the kernel runs at every page size. On Qwen2.5-Coder-0.5B (page 32, stride 2) it gave the answers of stride 1
+# (docs/results/accuracy_notes.md, session 31).
+SCORED_QUERIES_PER_PAGE = 16
+
 
 def param(default: Any, *, lo: float | None = None, hi: float | None = None, power_of_two: bool = False,
           help: str = "") -> Any:
@@ -89,6 +95,13 @@ class SelectorParams:
         fixed budgets override it). The cost gate prices rows at no less."""
         return 0
 
+    def query_stride_at(self, page_size: int) -> int:
+        """The search's query stride at this page size: every s-th query of each q-block is scored. 1 for a
+        selector without a `query_stride` parameter; a `query_stride` of 0 scores SCORED_QUERIES_PER_PAGE queries
+        of each page (page_size // 16, at least 1)."""
+        qs = getattr(self, "query_stride", 1)
+        return qs if qs else max(1, page_size // SCORED_QUERIES_PER_PAGE)
+
     @classmethod
     def validated(cls, given: "Mapping[str, Any] | SelectorParams | None", owner: str) -> "SelectorParams":
         """An instance from a mapping of overrides (or an instance), checked against the declared kinds and
@@ -133,7 +146,8 @@ def _check(f: dataclasses.Field, v: Any, where: str) -> Any:
         if isinstance(v, bool) or not isinstance(v, int) or (lo is not None and v < lo) or (hi is not None and v > hi):
             raise ValueError(f"{where}: must be an integer in [{lo}, {hi}], got {v!r}")
         if meta.get("power_of_two") and v & (v - 1):
-            raise ValueError(f"{where}: must be a power of two in [{lo}, {hi}], got {v!r}")
+            which = f"0 or a power of two in [1, {hi}]" if lo == 0 else f"a power of two in [{lo}, {hi}]"
+            raise ValueError(f"{where}: must be {which}, got {v!r}")
         return v
     if isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v) or \
             (lo is not None and v < lo) or (hi is not None and v > hi):

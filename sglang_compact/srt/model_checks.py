@@ -35,7 +35,7 @@ def check_search_kernel(config: CompactConfig, device_type: str) -> None:
     """On CUDA, refuse a selector `query_stride` that leaves the search kernel fewer than
     `MIN_QUERY_TILE` queries of each page: the search would fall back to its plain-torch twin, right but slow
     and memory-hungry at long contexts, with nothing to say so. (The CPU runs the twin anyway.)"""
-    qs = getattr(config.params, "query_stride", 1)
+    qs = config.params.query_stride_at(config.block_size)
     bs, least = config.block_size, flashprefill_kernel.MIN_QUERY_TILE
     if device_type == "cuda" and bs // qs < least:
         raise UnsupportedModelError(f"selector {config.selector!r}: query_stride {qs} scores {bs // qs} queries of "

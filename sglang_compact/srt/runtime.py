@@ -131,8 +131,11 @@ class CompactRuntime:
             max_indices = max_rows * cdiv(view.context_len + view.page_size, view.page_size)
             executor = make_flashinfer_executor(kernel, view.device, max_rows=max_rows, max_indices=max_indices)
             device_name = torch.cuda.get_device_name(view.device)
+            props = torch.cuda.get_device_properties(view.device)
+            capability, multiprocessors = f"{props.major}.{props.minor}", props.multi_processor_count
         else:
             kernel, executor, device_name = "torch", TorchExecutor(), None
+            capability, multiprocessors = "", 0
         shape = ModelShape(h_q, view.num_kv_heads, view.head_dim, view.page_size)
         fixed = config.spec.fixes_row_lengths or config.spec.fixes_rows_at_observing_layer(config.params)
         rows_kernel = "fa3" if kernel == "fa3" or (kernel == "fa3-auto" and fixed) else "fa2"
@@ -140,7 +143,7 @@ class CompactRuntime:
                          selector_layers=compact.selector.own_layers())
         gate = Gate.for_server(config, shape, view.chunked_prefill_size, device_name,
                                "fa3" if kernel.startswith("fa3") else "fa2", view.context_len, rows_kernel,
-                               num_layers=view.num_layers)
+                               num_layers=view.num_layers, capability=capability, multiprocessors=multiprocessors)
         summaries = None
         if compact.uses_summaries and not gate.decision.never:
             summaries = PageSummaries(view.num_layers, view.num_pages, view.num_kv_heads, view.head_dim, view.device,
