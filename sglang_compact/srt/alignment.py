@@ -24,8 +24,13 @@ So every cached window was computed the way each request that reads it would com
 cost: a request recomputes at most its dense tail plus one window of a cache hit (a repeated prompt
 recomputes its dense tail), and the cache keeps no prompt's last dense_tail + W tokens or output.
 
-One split is left: when the pool is nearly full, SGLang may cut the continuing chunk of a request to
-the tokens it has room for (`PrefillAdder.add_chunked_req`), not to a window boundary. Radix caches
+* a pass's prefill budget: with `--enable-mixed-chunk` SGLang takes the decode tokens mixed into a pass
+  off the chunk budget; it is rounded back up to whole windows (`whole_window_budget`), else a chunk of one
+  window would admit no prompt while any request decodes;
+* the next chunk of a prompt: when the KV pool has room for less than the chunk budget, SGLang cuts the
+  chunk to that room; it is cut back to the last window end (`align_continuing_chunk`).
+
+One split is left: a pool with room for less than the rest of the current window (logged). Radix caches
 other than SGLang's `RadixCache` (hierarchical, SWA, ...) are not limited.
 """
 
@@ -87,6 +92,74 @@ def align_cache_hit(result, req, tree_cache=None, *args, **kwargs):
     if keep < matched:
         compat.truncate_request_prefix(req, keep)
     return None
+
+
+def whole_window_budget(result, adder, *args, **kwargs):
+    """AFTER hook of a pass's prefill budget (`PrefillAdder.__init__`): in whole windows again after SGLang takes
+    the decode tokens of a mixed pass (`--enable-mixed-chunk`) off it.
+
+    A chunk ends on a window boundary (`align_chunk_ends`), so a budget of the chunk size less the running decodes
+    admits one window fewer than the chunk, and none at all when the chunk is one window (chunk <= 1024 tokens):
+    the prompt then waits until every running request has finished decoding. The budget is rounded up to whole
+    windows instead (never above the chunk size): the decode tokens ride on top of the prefill chunk, at most
+    W - 1 tokens more in a pass than `--chunked-prefill-size`.
+    """
+    gate = ACTIVE_GATE
+    if gate is None:
+        return None
+    try:
+        chunk, decode_tokens = compat.prefill_budget_args((adder,) + args, kwargs)
+    except Exception:  # an SGLang whose prefill budget we do not understand: keep its budget
+        log_once(logger, logging.ERROR, "sglang_compact: could not read the scheduler's prefill budget; mixed "
+                 "chunks keep SGLang's budget", exc_info=True)
+        return None
+    budget, w = compat.chunk_budget(adder), gate.window
+    if not decode_tokens or chunk is None or budget is None or chunk % w or budget <= 0 or budget % w == 0:
+        return None
+    compat.set_chunk_budget(adder, min(chunk, -(-budget // w) * w))
+    return None
+
+
+def continuing_chunk_tokens(start: int, fill_len: int, room: int, window: int, sparse: tuple[int, int]) -> int | None:
+    """The tokens of a prompt's next chunk, from `start`, when SGLang would take `room` of them: cut back to the
+    last window end where the chunk would end inside a sparse window (`sparse`: [lo, hi) in windows). None: take
+    `room` (the chunk ends on a window boundary, at the prompt's end, or outside the sparse windows); 0: the room is
+    less than the rest of the current sparse window, which then cannot stay in one pass."""
+    lo, hi = sparse
+    end = start + room
+    if lo >= hi or end >= fill_len or end % window == 0 or end <= lo * window or end >= hi * window:
+        return None
+    return max(end // window * window - start, 0)
+
+
+def align_continuing_chunk(original, adder, req, *args, **kwargs):
+    """AROUND hook of the admission of a request's next chunk (`PrefillAdder.add_chunked_req`): when the KV pool
+    has room for less than the chunk budget, SGLang cuts the chunk to that room, mid-window; it is cut back to the
+    last window end instead (`continuing_chunk_tokens`), so that each sparse window's queries stay in one pass.
+    With room for less than the rest of the current window the split stays (SGLang must admit the request), and
+    is logged."""
+    gate, keep = ACTIVE_GATE, None
+    try:
+        room = compat.continuing_chunk_room(adder) if gate is not None else None
+        if room is not None:
+            keep = continuing_chunk_tokens(compat.request_matched_len(req), compat.request_fill_len(req), room,
+                                           gate.window, gate.sparse_range(compat.request_origin_len(req)))
+    except Exception:  # an SGLang whose scheduler we do not understand: SGLang's own chunk
+        log_once(logger, logging.ERROR, "sglang_compact: could not read a continuing chunk's room; it keeps "
+                 "SGLang's length", exc_info=True)
+    if not keep:
+        if keep == 0:
+            log_once(logger, logging.WARNING, "sglang_compact: the KV pool had room for %d tokens of a request's "
+                     "next chunk, less than the rest of its %d-token union window: that window is computed over two "
+                     "passes, so this prompt's output can differ from a cold run's. More KV pool room (memory, "
+                     "--mem-fraction-static, fewer running requests) avoids it.", room, gate.window)
+        return original(adder, req, *args, **kwargs)
+    budget = compat.chunk_budget(adder)
+    compat.set_chunk_budget(adder, keep)
+    try:
+        return original(adder, req, *args, **kwargs)
+    finally:   # what SGLang took off the budget, taken off the budget it had
+        compat.set_chunk_budget(adder, budget - (keep - compat.chunk_budget(adder)))
 
 
 def limit_cached_prefix(original, cache, req, *args, **kwargs):

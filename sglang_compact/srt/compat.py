@@ -7,7 +7,9 @@ reading this file against the new release. What is used, and why:
 * the attention-backend registry and the `--attention-backend` choices
   (`attention_registry`, `server_args`): the backend is registered by name;
 * the plugin hook registry (`HookRegistry`): hooks on `ForwardBatch.init_new`
-  (per-request prompt lengths) and on request validation;
+  (per-request prompt lengths), on request validation, and on the scheduler's
+  chunking and radix cache (`srt/alignment.py`: `truncation_align_size`,
+  `PrefillAdder`'s chunk budget and continuing chunk, the cache's insertions);
 * `ServerArgs`: the validated `CompactConfig` travels to the scheduler
   processes on it (pickled) as the private attribute `_compact_config`;
 * `ForwardBatch` fields: `extend_prefix_lens_cpu`, `extend_seq_lens_cpu`,
@@ -25,7 +27,9 @@ reading this file against the new release. What is used, and why:
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
+import inspect
 import os
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -46,6 +50,10 @@ REQUEST_CACHE_MATCH = "sglang.srt.managers.schedule_batch.Req.init_next_round_in
 CACHE_FINISHED = "sglang.srt.mem_cache.radix_cache.RadixCache.cache_finished_req"
 CACHE_UNFINISHED = "sglang.srt.mem_cache.radix_cache.RadixCache.cache_unfinished_req"
 CACHE_KEY_ALIGN = "sglang.srt.mem_cache.radix_cache.RadixKey.page_aligned"
+#: the scheduler's prefill budget of one pass (built per pass), and its admission of the continuing chunk of a
+#: request whose prompt did not fit the previous pass
+PREFILL_BUDGET_INIT = "sglang.srt.managers.schedule_policy.PrefillAdder.__init__"
+CONTINUING_CHUNK = "sglang.srt.managers.schedule_policy.PrefillAdder.add_chunked_req"
 #: bytes per token of the KV pool across layers (SGLang sizes the pool from the free memory with it)
 POOL_CELL_SIZE = "sglang.srt.model_executor.pool_configurator.DefaultPoolConfigurator._compute_cell_size"
 
@@ -112,6 +120,43 @@ def set_truncation_align_size(scheduler, tokens: int) -> None:
 
 def request_matched_len(req) -> int:
     return len(req.prefix_indices)
+
+
+def request_fill_len(req) -> int:
+    """The tokens a request's prefill covers in all (its prompt, and the output of a retracted request)."""
+    return len(req.full_untruncated_fill_ids)
+
+
+def prefill_budget_args(args: tuple, kwargs: dict) -> tuple[int | None, int]:
+    """(chunk budget, decode tokens mixed into the pass) that `PrefillAdder.__init__` was called with."""
+    bound = _prefill_adder_signature().bind(*args, **kwargs)
+    bound.apply_defaults()
+    return bound.arguments["rem_chunk_tokens"], int(bound.arguments["num_mixed_decode_tokens"] or 0)
+
+
+@functools.cache
+def _prefill_adder_signature() -> inspect.Signature:
+    from sglang.srt.managers.schedule_policy import PrefillAdder
+
+    return inspect.signature(PrefillAdder.__init__)   # through the hook registry's wrapper (`__wrapped__`)
+
+
+def chunk_budget(adder) -> int | None:
+    """Prefill tokens the pass may still take (None: chunked prefill is off)."""
+    return adder.rem_chunk_tokens
+
+
+def set_chunk_budget(adder, tokens: int) -> None:
+    adder.rem_chunk_tokens = tokens
+
+
+def continuing_chunk_room(adder) -> int | None:
+    """The tokens `add_chunked_req` gives the continuing chunk (SGLang's `_rem_tokens`: the chunk budget, or the
+    KV pool's room when that is smaller); None where SGLang computes it otherwise (diffusion LMs, hybrid SWA)."""
+    if adder.dllm_config is not None or adder.is_hybrid_swa or adder.rem_chunk_tokens is None:
+        return None
+    room = min(adder.rem_chunk_tokens, int(adder.rem_total_tokens))
+    return room if room > 0 else adder.rem_chunk_tokens
 
 
 def request_origin_len(req) -> int:
