@@ -152,11 +152,13 @@ def set_chunk_budget(adder, tokens: int) -> None:
 
 def continuing_chunk_room(adder) -> int | None:
     """The tokens `add_chunked_req` gives the continuing chunk (SGLang's `_rem_tokens`: the chunk budget, or the
-    KV pool's room when that is smaller); None where SGLang computes it otherwise (diffusion LMs, hybrid SWA)."""
+    KV pool's room when that is smaller); None where SGLang computes it otherwise (diffusion LMs, hybrid SWA) or
+    where it is not positive (more mixed decode tokens than the chunk)."""
     if adder.dllm_config is not None or adder.is_hybrid_swa or adder.rem_chunk_tokens is None:
         return None
     room = min(adder.rem_chunk_tokens, int(adder.rem_total_tokens))
-    return room if room > 0 else adder.rem_chunk_tokens
+    room = room if room > 0 else adder.rem_chunk_tokens
+    return room if room > 0 else None
 
 
 def request_origin_len(req) -> int:
