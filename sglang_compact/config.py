@@ -54,8 +54,10 @@ class CompactConfig:
             than this read every page; None (the default) takes it from the cost
             gate (`sglang_compact.gate`): the context length from which the
             sparse path is predicted to be faster on this GPU for this model.
-        dense_tail: the last `dense_tail` prompt tokens read every page (the
-            question of a long-context prompt), >= 0.
+        dense_tail: the union windows holding the last `dense_tail` prompt
+            tokens read every page (the question of a long-context prompt),
+            >= 0; a prompt's last, partial window always does (windows are
+            sparse only whole: `Gate.sparse_range`).
         dense_above: a sparse window whose selection at the pass's observing
             layer (its second: the first reads every page) reads more than
             this share of its context pages (mean over the kv heads) reads

@@ -345,6 +345,13 @@ def test_malformed_requests_get_4xx_and_the_server_keeps_serving(model_dir, laun
                     f"the server died or did not answer: {case.describe()}\n{body!r}\n{srv.log_tail()}")
             assert srv.get_text("/health", timeout=60) is not None, f"/health after request {start + BATCH}"
             assert greedy(srv, KNOWN_PROMPT) == known, f"the known prompt's answer changed after {start + BATCH}"
+        # well-formed, but a CPU server cannot apply a grammar's mask (SGLang raised in the scheduler and died)
+        for grammar in ({"regex": "[0-9]{3}"}, {"json_schema": json.dumps({"type": "object"})}):
+            case = Case(f"constrained on a CPU server: {grammar}", _json(
+                {"text": "The answer is", "sampling_params": {"max_new_tokens": 4, **grammar}}))
+            status, body = send(srv.port, case)
+            assert status == 400 and b"not available on a CPU server" in body, (status, body[:300])
+            assert greedy(srv, KNOWN_PROMPT) == known
         log = srv.log_path.read_text(errors="replace")
     assert not bad, f"{len(bad)} of {len(cases)} malformed requests were not refused with a 4xx:\n" + "\n".join(bad)
     assert "Traceback" not in log, log[log.index("Traceback") - 2000:][:6000]

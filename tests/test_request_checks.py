@@ -143,6 +143,17 @@ def test_a_requests_logprob_fields_are_single_values_in_range(fields, message):
                   [1, 2], VOCAB, KNOWN)
 
 
+def test_a_cpu_server_refuses_constrained_decoding():
+    for grammar in ({"regex": "[0-9]+"}, {"json_schema": "{}"}, {"ebnf": "root ::= 'a'"}, {"structural_tag": "{}"}):
+        sp = {"max_new_tokens": 4, **grammar}
+        with pytest.raises(RequestError, match=f"sampling_params.{next(iter(grammar))}: constrained decoding is not "
+                                               "available on a CPU server"):
+            check_request(view(sp), [1, 2], VOCAB, KNOWN, device="cpu")
+        check_request(view(sp), [1, 2], VOCAB, None, device="cuda")           # a GPU server runs them
+        check_request(view(sp), [1, 2], VOCAB, None)                          # device unknown: left to SGLang
+    check_request(view({"max_new_tokens": 4, "regex": None}), [1, 2], VOCAB, KNOWN, device="cpu")
+
+
 def test_what_a_request_check_looks_at():
     check_request(view(), [1, 2], VOCAB, KNOWN)
     with pytest.raises(RequestError, match="outside the model's vocabulary"):

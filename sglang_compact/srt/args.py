@@ -79,7 +79,8 @@ def add_compact_args(parser: argparse.ArgumentParser) -> None:
                    help="context (tokens before a q-block) from which it reads a selection; auto (default): the "
                         "cost gate's break-even for this GPU, model and chunk size")
     g.add_argument("--compact-dense-tail", type=int, default=d.dense_tail, metavar="TOKENS",
-                   help=f"the last TOKENS prompt tokens read every page (default {d.dense_tail}; 0: off)")
+                   help=f"the union windows holding the last TOKENS prompt tokens read every page (default "
+                        f"{d.dense_tail}; 0: only a prompt's last, partial window)")
     g.add_argument("--compact-dense-above", type=_dense_above, default=None, metavar="auto|DENSITY",
                    help="a sparse window whose selection at the forward pass's second layer reads more than DENSITY "
                         "of its context pages reads every page instead (1: never); auto (default): the cost "

@@ -252,6 +252,12 @@ def tokenizer_manager_vocab_size(tokenizer_manager) -> int | None:
     return int(vocab) if vocab else None
 
 
+def tokenizer_manager_device(tokenizer_manager) -> str | None:
+    """The server's `--device` ("cuda", "cpu", ...; None when unknown)."""
+    device = getattr(getattr(tokenizer_manager, "server_args", None), "device", None)
+    return str(device) if device else None
+
+
 def sampling_param_names() -> frozenset[str]:
     """The request parameters of SGLang's SamplingParams."""
     from sglang.srt.sampling.sampling_params import SamplingParams

@@ -1,6 +1,6 @@
 """Per-request prompt lengths for the gate's dense tail, from a hook on `ForwardBatch.init_new`.
 
-The dense tail (the last `dense_tail` prompt tokens read every page) needs each
+The dense tail (the windows holding the last `dense_tail` prompt tokens read every page) needs each
 request's prompt length on the host when its extend batch is planned. The
 forward batch carries only a device copy (`orig_seq_lens`: a device->host sync
 per forward pass to read), so an AFTER hook on `ForwardBatch.init_new(batch,

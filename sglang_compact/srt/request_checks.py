@@ -22,7 +22,8 @@ answers with a 400 and the message:
    token ids (given, or from the tokenizer) before it is sent to the scheduler. The ids must be a non-empty
    flat list of integers in [0, vocab); a generate request's sampling parameters must be known names of the
    right JSON type (ranges are left to SGLang's `SamplingParams.verify`), stop ids and logit-bias keys in the
-   vocabulary, its logprob fields integers in range;
+   vocabulary, its logprob fields integers in range; on a CPU server, no grammar (`regex`, `json_schema`,
+   `ebnf`, `structural_tag`: SGLang applies the grammar's mask on accelerators only and crashed on it);
 3. AFTER the scheduler's `validate_input_length` (`compat.SCHEDULER_INPUT_CHECK`), a backstop for requests
    that reach a scheduler without the tokenizer manager (SGLang's gRPC entry point): ids out of the vocabulary
    abort the request with a 400 (SGLang's way for a too long prompt) instead of crashing the scheduler.
@@ -212,9 +213,28 @@ def check_logprob_fields(fields: dict, vocab_size: int | None) -> None:
             raise RequestError(f"{name} {err}")
 
 
+#: sampling parameters that constrain decoding with a grammar (SGLang's grammar backend)
+GRAMMAR_FIELDS = ("regex", "json_schema", "ebnf", "structural_tag")
+
+
+def check_grammar_device(sp: Any, device: str | None) -> None:
+    """SGLang 0.5.17 applies a grammar's token mask on CUDA, XPU, MUSA or NPU only: on a CPU server a constrained
+    request raises in the scheduler (`pin_memory=True` for the mask, then "Unsupported device: cpu"), which kills
+    the server. Refused there instead."""
+    if device != "cpu" or not isinstance(sp, dict):
+        return
+    used = [k for k in GRAMMAR_FIELDS if sp.get(k) is not None]
+    if used:
+        raise RequestError(f"sampling_params.{used[0]}: constrained decoding is not available on a CPU server "
+                           "(SGLang applies the grammar's token mask on CUDA, XPU, MUSA or NPU only); leave out "
+                           f"{', '.join(GRAMMAR_FIELDS)}")
+
+
 def check_request(view: compat.RequestView, input_ids: Any, vocab_size: int | None,
-                  known_sampling: frozenset[str] | None = None) -> None:
-    """One request (single, or one of a batch), with its final token ids."""
+                  known_sampling: frozenset[str] | None = None, device: str | None = None) -> None:
+    """One request (single, or one of a batch), with its final token ids, for a server on `device`."""
+    if view.generate:
+        check_grammar_device(view.sampling_params, device)
     if not view.ids_are_tokens:
         return
     if input_ids is not None:
@@ -257,7 +277,7 @@ def normalize_request(original, obj, *args, **kwargs):
 def validate_request(tokenizer_manager, obj, input_ids=None, *args, **kwargs):
     """BEFORE hook of `TokenizerManager._validate_one_request(obj, input_ids)`; returns None (arguments kept)."""
     check_request(compat.request_view(obj), input_ids, compat.tokenizer_manager_vocab_size(tokenizer_manager),
-                  compat.sampling_param_names())
+                  compat.sampling_param_names(), compat.tokenizer_manager_device(tokenizer_manager))
     return None
 
 
