@@ -34,7 +34,8 @@ rows, save nothing. The smallest context from which the pass is predicted
 faster (by `margin`) for this model's heads and the server's chunk size is
 where the gate opens; `dense_above` likewise prices the layers left after the
 observing layer, dense layers included. The model's coefficients are measured per GPU by
-`scripts/gpu/calibrate_gate.py` and shipped in `data/cost_model.json`. The search
+`scripts/gpu/calibrate_gate.py` and shipped in `data/cost_model.json`; a GPU
+without its own borrows the nearest calibrated one's (`cost_model_for`). The search
 term is the FlashPrefill kernel's on mean keys, or on key bounds for a selector
 that reads them (`quest_budget`: two dot products per page tile,
 `CostModel.search_model`). A selector whose search nothing calibrated prices
@@ -54,7 +55,7 @@ from sglang_compact.batch import cdiv
 
 logger = logging.getLogger(__name__)
 
-#: the gate on a device without a calibrated cost model (the CPU path, uncalibrated GPUs)
+#: the gate where no cost model applies (the CPU path; a selector whose search the model does not price)
 FALLBACK_MIN_CONTEXT = 4096
 NEVER = 1 << 62
 
@@ -206,21 +207,61 @@ def load_cost_models() -> dict[str, CostModel]:
     return {name: CostModel(gpu=name, **entry) for name, entry in json.loads(text)["gpus"].items()}
 
 
+def _capability(text: str) -> int | None:
+    """"9.0" -> 90, "8.9" -> 89; None when unknown or not of that form."""
+    try:
+        major, minor = (int(x) for x in text.split("."))
+    except ValueError:
+        return None
+    return 10 * major + minor
+
+
 def cost_model_for(device_name: str | None, capability: str = "", multiprocessors: int = 0) -> CostModel | None:
-    """The cost model calibrated on this GPU; else one calibrated on a GPU of the same compute capability and SM
-    count (an H100 SXM borrows the H200's: the same Hopper SMs, less memory bandwidth), its source saying so;
-    else None (the gate's fixed fallback)."""
+    """The cost model calibrated on this GPU; else one calibrated on another, named as borrowed in its `gpu` and
+    `source`:
+    * a GPU of the same compute capability and SM count (an H100 SXM borrows the H200's: the same Hopper SMs,
+      less memory bandwidth);
+    * else the calibrated GPU nearest in compute capability, then in SM count. On a GPU of an older
+      architecture, or of the same with no more SMs (an A100, an L40S, an H100 PCIe), attention is slower than
+      where the model was measured, so the sparse path pays from a shorter context than the model predicts: the
+      gate opens later than a calibration here would, which costs speed-up, not speed (the host's own speed is
+      not priced apart: a slower host CPU delays the break-even on any GPU). On a newer or larger GPU
+      it may open early: its source ends with `UNPRICED_FASTER_GPU` and the server warns at start.
+    None when the device's capability is unknown (the CPU path): the gate's fixed fallback."""
     if not device_name:
         return None
     models = load_cost_models()
     if device_name in models:
         return models[device_name]
+    mine = _capability(capability)
+    if mine is None or multiprocessors <= 0:
+        return None
     for m in models.values():
-        if capability and multiprocessors and (m.capability, m.multiprocessors) == (capability, multiprocessors):
-            return replace(m, gpu=f"{m.gpu}, applied to {device_name}",
-                           source=f"{m.source}; not calibrated on {device_name}: the same compute capability "
-                                  f"{capability} and {multiprocessors} SMs")
-    return None
+        if (m.capability, m.multiprocessors) == (capability, multiprocessors):
+            return borrowed_from(m, device_name, f"the same compute capability {capability} and "
+                                                 f"{multiprocessors} SMs")
+    known = [m for m in models.values() if _capability(m.capability) is not None and m.multiprocessors > 0]
+    if not known:
+        return None
+    m = min(known, key=lambda m: (abs(_capability(m.capability) - mine), abs(m.multiprocessors - multiprocessors)))
+    theirs = _capability(m.capability)
+    slower = mine < theirs or (mine == theirs and multiprocessors <= m.multiprocessors)
+    here = (f"the nearest calibrated GPU (compute capability {capability} and {multiprocessors} SMs here, "
+            f"{m.capability} and {m.multiprocessors} there)")
+    return borrowed_from(m, device_name, here + (": attention is slower here, so the gate is expected to open "
+                                                 "later than a calibration of this GPU would" if slower else
+                                                 f": {UNPRICED_FASTER_GPU}"))
+
+
+#: the end of a borrowed model's `source` on a GPU that may be faster than the one it was measured on
+UNPRICED_FASTER_GPU = ("this GPU may be faster, so the gate may open before the sparse path pays: calibrate it "
+                       "with scripts/gpu/calibrate_gate.py or set --compact-min-context")
+
+
+def borrowed_from(model: CostModel, device_name: str, why: str) -> CostModel:
+    """`model` applied to a GPU it was not calibrated on, its name and source saying so."""
+    return replace(model, gpu=f"{model.gpu}, applied to {device_name}",
+                   source=f"{model.source}; not calibrated on {device_name}: {why}")
 
 
 @dataclass(frozen=True)
@@ -266,13 +307,16 @@ class Gate:
     def for_server(cls, config, shape: ModelShape, chunk_size: int | None, device_name: str | None,
                    kernel: str, max_context: int, rows_kernel: str | None = None,
                    num_layers: int | None = None, capability: str = "", multiprocessors: int = 0) -> "Gate":
-        """The gate of a server: the flag, else the cost model of this GPU (or of one with its `capability` and
-        `multiprocessors`: `cost_model_for`), else the fallback. `kernel`: the dense passes' FlashInfer kernel;
+        """The gate of a server: the flag, else the cost model of this GPU (or one borrowed by its `capability`
+        and `multiprocessors`: `cost_model_for`), else the fallback. `kernel`: the dense passes' FlashInfer kernel;
         `rows_kernel`: the sparse rows' (default: the same); `num_layers`: the model's (its sparse passes are
         priced whole, `SparsePassLayers`; None: one selecting layer)."""
         spec = config.spec
         window = config.window_tokens(chunk_size)
         model = cost_model_for(device_name, capability, multiprocessors)
+        if model is not None and model.source.endswith(UNPRICED_FASTER_GPU) and config.selector != "dense" \
+                and config.min_context is None:
+            logger.warning("sglang_compact: the cost gate prices %s with %s", device_name, model.source)
         priced = model.search_model(spec.uses_key_bounds) if model is not None and spec.priced_search else None
         rk = rows_kernel or kernel
         qs = config.params.query_stride_at(config.block_size)

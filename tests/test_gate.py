@@ -342,7 +342,7 @@ def test_the_cost_gate_starts_at_a_whole_chunk(shape):
 def test_a_gpu_without_its_own_cost_model_borrows_one_of_the_same_architecture():
     """An H100 SXM (compute capability 9.0, 132 SMs, the GH100 die of the H200) has no calibration of its own: it
     gets the H200's model, named as borrowed in the gate's reason, instead of the fixed 4096-token fallback that
-    made small models slower than stock there; another architecture or SM count gets none."""
+    made small models slower than stock there."""
     from sglang_compact.gate import cost_model_for
 
     h200 = cost_model_for("NVIDIA H200")
@@ -350,9 +350,9 @@ def test_a_gpu_without_its_own_cost_model_borrows_one_of_the_same_architecture()
     h100 = cost_model_for("NVIDIA H100 80GB HBM3", "9.0", 132)
     assert h100.dense_flops == h200.dense_flops and h100.sparse_host_s == h200.sparse_host_s
     assert h100.gpu == "NVIDIA H200, applied to NVIDIA H100 80GB HBM3" and "not calibrated on" in h100.source
-    assert cost_model_for("NVIDIA H100 PCIe", "9.0", 114) is None
-    assert cost_model_for("NVIDIA A100-SXM4-80GB", "8.0", 108) is None
+    assert "the same compute capability 9.0 and 132 SMs" in h100.source
     assert cost_model_for("NVIDIA H100 80GB HBM3") is None                 # nothing known of the device
+    assert cost_model_for(None, "9.0", 132) is None                        # the CPU path
     cfg = CompactConfig(block_size=32)
 
     def gate(name, **device):
@@ -362,3 +362,46 @@ def test_a_gpu_without_its_own_cost_model_borrows_one_of_the_same_architecture()
     assert borrowed.decision.min_context == gate("NVIDIA H200").decision.min_context > FALLBACK_MIN_CONTEXT
     assert borrowed.dense_above == gate("NVIDIA H200").dense_above
     assert gate("NVIDIA H100 80GB HBM3").decision.source == "fallback"
+
+
+def test_an_older_or_smaller_gpu_borrows_the_nearest_model_and_opens_no_earlier(caplog):
+    """A GPU of another architecture or SM count gets the nearest calibrated model, not the fixed 4096-token
+    gate (which sent a 0.5B model's 4K-62K prompts down the sparse path, 2.7x slower than stock on the H200).
+    On an older or smaller GPU attention is slower than on the H200, so the sparse path pays from a shorter
+    context there than the H200's model predicts: the borrowed gate can only open late (less speed-up), never
+    early (a loss), and the server says nothing. A newer GPU gets the model too, with a warning that it may
+    open early."""
+    import logging
+
+    from sglang_compact.gate import UNPRICED_FASTER_GPU, cost_model_for
+
+    h200 = cost_model_for("NVIDIA H200")
+    for name, cc, sms in (("NVIDIA A100-SXM4-80GB", "8.0", 108), ("NVIDIA L40S", "8.9", 142),
+                          ("NVIDIA H100 PCIe", "9.0", 114), ("NVIDIA H20", "9.0", 78)):
+        m = cost_model_for(name, cc, sms)
+        assert m is not None and m.dense_flops == h200.dense_flops, name
+        assert m.gpu == f"NVIDIA H200, applied to {name}" and "attention is slower here" in m.source, name
+    newer = cost_model_for("NVIDIA B200", "10.0", 148)
+    assert newer.gpu == "NVIDIA H200, applied to NVIDIA B200" and newer.source.endswith(UNPRICED_FASTER_GPU)
+    assert cost_model_for("NVIDIA X", "nine", 132) is None and cost_model_for("NVIDIA X", "9.0", 0) is None
+
+    cfg = CompactConfig(block_size=32)
+
+    def gate(name, cc, sms, kernel="fa2", chunk=1024):
+        return Gate.for_server(cfg, SHAPE_05B, chunk, name, kernel, 131072, kernel, num_layers=24,
+                               capability=cc, multiprocessors=sms)
+    with caplog.at_level(logging.WARNING, logger="sglang_compact.gate"):
+        a100 = gate("NVIDIA A100-SXM4-80GB", "8.0", 108)
+        assert not caplog.records
+        # the H200's model priced on the kernels an A100 runs (fa2 dense and rows): a 0.5B model's chunk-1024
+        # passes stay dense far past the old fixed gate, and the observed-density fallback is on
+        assert a100.decision.source == "cost model" and a100.decision.min_context > 4 * FALLBACK_MIN_CONTEXT
+        assert a100.decision.min_context == gate("NVIDIA H200", "9.0", 132).decision.min_context
+        assert a100.observes_density and "fa2 dense vs fa2 rows" in a100.decision.detail
+        gate("NVIDIA B200", "10.0", 148)
+        assert [r.getMessage() for r in caplog.records] == [
+            f"sglang_compact: the cost gate prices NVIDIA B200 with {newer.source}"]
+        caplog.clear()
+        Gate.for_server(cfg.replace(min_context=5000), SHAPE_05B, 1024, "NVIDIA B200", "fa2", 131072, "fa2",
+                        capability="10.0", multiprocessors=148)
+        assert not caplog.records                                         # the flag decides: nothing to warn of
