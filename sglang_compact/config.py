@@ -17,6 +17,7 @@ from sglang_compact.selectors.registry import (SelectorParams, SelectorSpec, imp
                                                parse_layer_ids, selector_names, selector_spec)
 
 PREFILL_KERNELS = ("auto", "fa2", "fa3")
+PREFIX_CACHE_POLICIES = ("exact", "reuse")
 
 #: The layer of a sparse forward pass (counted from the pass's first) that reads how many pages each row
 #: selected, when the pass needs that (the gate's observed-density fallback, a selector that fixes its rows
@@ -79,6 +80,13 @@ class CompactConfig:
             sparse window, the share of the window's last query's attention (one
             kv head in turn, its group's first query head) that falls in the pages
             its row reads. Published on `/metrics` (`sglang:compact_recall`).
+        prefix_cache: what the radix cache keeps and serves of a prompt (`srt/alignment.py`). "exact"
+            (default): only KV computed as every longer prompt sharing it computes it cold, so a request's
+            answer does not depend on what was cached before it; a prompt's dense tail, its last window and
+            its output are not kept, and a conversation's next turn recomputes them. "reuse": everything, as
+            stock SGLang keeps it (a hit is cut back to a window start only); a later prompt then reads KV
+            that its cold run would have computed sparse (the earlier prompt's tail and output were computed
+            dense), so its answer can depend on what is cached.
     """
 
     block_size: int = 64
@@ -95,6 +103,7 @@ class CompactConfig:
     density_cap: float | None = None
     prefill_kernel: str = "auto"
     recall_every: int = 0
+    prefix_cache: str = "exact"
 
     def __post_init__(self) -> None:
         bs = self.block_size
@@ -131,6 +140,8 @@ class CompactConfig:
                                   "the first reads every page when the pass observes its density, the next "
                                   "observes)", dl)
         object.__setattr__(self, "dense_layers", tuple(sorted(set(dl))))
+        if self.prefix_cache not in PREFIX_CACHE_POLICIES:
+            _fail("prefix_cache", f"must be one of {', '.join(PREFIX_CACHE_POLICIES)}", self.prefix_cache)
         if self.prefill_kernel not in PREFILL_KERNELS:
             _fail("prefill_kernel", f"must be one of {', '.join(PREFILL_KERNELS)}", self.prefill_kernel)
         cap = self.density_cap
@@ -179,4 +190,5 @@ class CompactConfig:
                 f"{self.dense_tail}, dense_above {'auto' if self.dense_above is None else self.dense_above}, "
                 f"density_cap {self.density_cap}, prefill_kernel {self.prefill_kernel}"
                 + (f", dense layers {','.join(map(str, self.dense_layers))}" if self.dense_layers else "")
-                + (f", recall every {self.recall_every} sparse passes" if self.recall_every else ""))
+                + (f", recall every {self.recall_every} sparse passes" if self.recall_every else "")
+                + (f", prefix cache {self.prefix_cache}" if self.prefix_cache != "exact" else ""))

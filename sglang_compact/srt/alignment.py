@@ -22,7 +22,11 @@ it landed in (`W` the window, `[lo, hi)` a prompt's sparse windows from the gate
 
 So every cached window was computed the way each request that reads it would compute it cold. The
 cost: a request recomputes at most its dense tail plus one window of a cache hit (a repeated prompt
-recomputes its dense tail), and the cache keeps no prompt's last dense_tail + W tokens or output.
+recomputes its dense tail), and the cache keeps no prompt's last dense_tail + W tokens or output: a
+conversation's next turn recomputes the last turn's tail and answer. `--compact-prefix-cache reuse` trades
+the exactness for stock's reuse: the cache keeps and serves everything, a hit is only cut back to a window
+start (chunks still start and end on window boundaries), and a later prompt reads KV its cold run would
+have computed otherwise (the tail and output were computed dense).
 
 * a pass's prefill budget: with `--enable-mixed-chunk` SGLang takes the decode tokens mixed into a pass
   off the chunk budget; it is rounded back up to whole windows (`whole_window_budget`), else a chunk of one
@@ -57,9 +61,10 @@ def activate(gate) -> None:
 
 
 def exact_prefix_len(gate, prompt_len: int) -> int | None:
-    """The tokens of a prompt whose KV is computed as every longer prompt sharing them computes it (None:
-    all of them, when no window is ever sparse)."""
-    if gate is None or gate.decision.never:
+    """The tokens of a prompt whose KV is computed as every longer prompt sharing them computes it, the most the
+    cache keeps and serves of it (None: all of them, when no window is ever sparse, or under
+    `--compact-prefix-cache reuse`, which keeps everything)."""
+    if gate is None or gate.decision.never or gate.config.prefix_cache == "reuse":
         return None
     _, hi = gate.sparse_range(prompt_len)
     return hi * gate.window
@@ -83,9 +88,9 @@ def align_cache_hit(result, req, tree_cache=None, *args, **kwargs):
     matched = compat.request_matched_len(req)
     prompt = compat.request_prompt_len(req)
     limit = exact_prefix_len(gate, prompt)
-    if limit is None or matched == 0:
+    if gate.decision.never or matched == 0:
         return None
-    keep = min(matched, limit)
+    keep = matched if limit is None else min(matched, limit)
     lo, hi = gate.sparse_range(prompt)
     if lo < hi:
         keep = keep // gate.window * gate.window

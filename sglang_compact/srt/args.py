@@ -12,7 +12,7 @@ import argparse
 import json
 from typing import Sequence
 
-from sglang_compact.config import PREFILL_KERNELS, CompactConfig, parse_layer_ids
+from sglang_compact.config import PREFILL_KERNELS, PREFIX_CACHE_POLICIES, CompactConfig, parse_layer_ids
 from sglang_compact.selectors.registry import describe_params, import_selector_modules, selector_names
 
 PROG = "sglang_compact.launch_server"
@@ -97,6 +97,12 @@ def add_compact_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--compact-recall-every", type=int, default=d.recall_every, metavar="N",
                    help="every N-th sparse forward pass, one layer measures how much of its attention mass the "
                         "selection reads (sglang:compact_recall on /metrics; needs --enable-metrics; default 0: off)")
+    g.add_argument("--compact-prefix-cache", default=d.prefix_cache, choices=PREFIX_CACHE_POLICIES,
+                   help="exact (default): the radix cache keeps only KV a cold run of every longer prompt would "
+                        "compute, so an answer never depends on what is cached, and a conversation's next turn "
+                        "recomputes the last turn's dense tail, last window and output; reuse: it keeps and serves "
+                        "them as stock SGLang does (a hit recomputes at most one window), and an answer can depend "
+                        "on what was cached before it")
     g.add_argument("--compact-block-size", type=int, default=None,
                    help="must equal --page-size if given (a block is one KV page)")
 
@@ -143,7 +149,8 @@ def build_config(ns: argparse.Namespace, page_size: int) -> CompactConfig:
                          dense_tail=ns.compact_dense_tail, dense_above=ns.compact_dense_above,
                          dense_layers=ns.compact_dense_layers,
                          density_cap=ns.compact_density_cap,
-                         prefill_kernel=ns.compact_prefill_kernel, recall_every=ns.compact_recall_every)
+                         prefill_kernel=ns.compact_prefill_kernel, recall_every=ns.compact_recall_every,
+                         prefix_cache=ns.compact_prefix_cache)
 
 
 def config_error_message(e: ValueError) -> str:
