@@ -37,7 +37,15 @@ metrics cost a stock server);
 `compact:quest_budget:density=0.2,min_tokens=3072`: a candidate timed as its accuracy was measured), any of them with
 `-fa2` (`--compact-prefill-kernel fa2`), `-at0` (`--compact-min-context 0`: sparse from the start) or `-nometrics`
 (no `--enable-metrics`, as a user runs it by default: its rows have no density) or `-cachedlaunch`
-(`SGLANG_COMPACT_CACHED_LAUNCH=1`: our Triton kernels launched from their compiled kernels, `kernels/launch.py`).
+(`SGLANG_COMPACT_CACHED_LAUNCH=1`: our Triton kernels launched from their compiled kernels, `kernels/launch.py`)
+or `-reuse` (`--compact-prefix-cache reuse`: the radix cache keeps and serves everything, as stock does).
+
+`--next-turn M` times a conversation's next turn instead of a fresh prompt: each timed request of `context`
+tokens is a first turn of `context - M - --answer-tokens` tokens, answered just before (untimed), then its
+answer and M new tokens; the rows add `next_turn`, `answer_tokens` and `cached_tokens` (median over the rounds
+of the tokens the timed requests took from the radix cache). Stock caches the whole first turn; `compact`'s
+default cache (`exact`) keeps it only up to its dense tail, so the next turn prefills the tail and the answer
+again: what multi-turn serving pays for answers independent of the cache.
 
 Rows `{"bench": "ttft", "model", "context", "chunk", "batch", "tp", "method", "density", "ms",
 "speedup_vs_flashinfer", "gpu", "date", ...}` are appended to `<out-dir>/speed.json`; the table goes
@@ -91,6 +99,7 @@ def method_args(method: str) -> tuple[str, list[str]]:
     flags = ["--attention-backend", "compact", "--enable-metrics"]
     name = method
     suffixes = {"-fa2": ["--compact-prefill-kernel", "fa2"], "-at0": ["--compact-min-context", "0"], "-nometrics": [],
+                "-reuse": ["--compact-prefix-cache", "reuse"],
                 **dict.fromkeys(ENV_SUFFIXES, [])}   # (environment variables: method_env)
     while any(name.endswith(x) for x in suffixes):
         suffix = next(x for x in suffixes if name.endswith(x))
@@ -227,6 +236,12 @@ def main() -> int:
                          "summaries go to <out-dir>/profile_<name>.{md,json} (scripts/trace_summary.py)")
     ap.add_argument("--profile-at", type=float, default=0.6,
                     help="fraction of the timed TTFT after which profiling starts (default 0.6)")
+    ap.add_argument("--next-turn", type=int, default=0, metavar="TOKENS",
+                    help="time the next turn of a conversation instead of a fresh prompt: each timed request of "
+                         "--contexts tokens is a first turn (answered just before, untimed, with --answer-tokens) "
+                         "followed by its answer and TOKENS new tokens; rows record the tokens served from the "
+                         "cache (0: off)")
+    ap.add_argument("--answer-tokens", type=int, default=256, help="with --next-turn: the first turn's answer")
     ap.add_argument("--start-timeout", type=float, default=900)
     ap.add_argument("--replot-date", default="", help="with --replot: the rows' date prefix (ISO, UTC)")
     ap.add_argument("--dry-run", action="store_true", help="print the servers, their flags and the per-rank KV "
@@ -249,6 +264,9 @@ def main() -> int:
         vocab = (1000, json.loads((model / "config.json").read_text())["vocab_size"] - 1000)
     ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
     contexts, chunks, batches = ints(a.contexts), ints(a.chunks), ints(a.batches)
+    if a.next_turn < 0 or a.answer_tokens < 1 or (a.next_turn and min(contexts) <= a.next_turn + a.answer_tokens):
+        raise SystemExit(f"--next-turn {a.next_turn} / --answer-tokens {a.answer_tokens}: both must leave a first "
+                         f"turn in the shortest context ({min(contexts)} tokens); --answer-tokens >= 1")
     methods = split_methods(a.methods)
     import torch
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
@@ -278,12 +296,20 @@ def main() -> int:
         return start_server(module, model, common + flags, out / f"ttft_{name}_{file_label(method)}_c{chunk}.log",
                             timeout=a.start_timeout, env=method_env(method))
 
-    def round_(srv, n_tokens: int, n_req: int) -> float:
-        prompts = [[rng.randrange(*vocab) for _ in range(n_tokens)] for _ in range(n_req)]
-        t0 = time.time()
+    def round_(srv, n_tokens: int, n_req: int) -> tuple[float, int]:
+        """(seconds, tokens served from the cache, summed over the requests) of one timed round: `n_req` fresh
+        prompts of `n_tokens`; with --next-turn, each the next turn of a conversation whose first turn (the
+        prompt less the answer and the new message) was answered just before, untimed."""
+        M, R = a.next_turn, a.answer_tokens
+        prompts = [[rng.randrange(*vocab) for _ in range(n_tokens - (M + R if M else 0))] for _ in range(n_req)]
         with cf.ThreadPoolExecutor(n_req) as ex:
-            list(ex.map(lambda p: generate(srv, p, 1), prompts))
-        return time.time() - t0
+            if M:
+                answers = list(ex.map(lambda p: generate(srv, p, R).output_ids, prompts))
+                prompts = [p + list(ans) + [rng.randrange(*vocab) for _ in range(M)]
+                           for p, ans in zip(prompts, answers)]
+            t0 = time.time()
+            done = list(ex.map(lambda p: generate(srv, p, 1), prompts))
+            return time.time() - t0, sum(r.cached_tokens for r in done)
 
     def measure(servers: dict, chunk: int, group: int) -> None:
         """Every server of one chunk size, interleaved: for each (context, batch), rep after rep, each server
@@ -294,6 +320,7 @@ def main() -> int:
         for ctx in contexts:
             for bsz in batches:
                 times = {m: [] for m in servers}
+                cached = {m: [] for m in servers}
                 dens = {m: [] for m in servers}
                 frac = {m: [] for m in servers}
                 fell = {m: [] for m in servers}
@@ -301,7 +328,9 @@ def main() -> int:
                     for method, srv in servers.items():
                         compact = metered(method)
                         before = compact_counters(srv) if compact else None
-                        times[method].append(round_(srv, ctx, bsz))
+                        seconds, hit = round_(srv, ctx, bsz)
+                        times[method].append(seconds)
+                        cached[method].append(hit)
                         if compact:
                             after = compact_counters(srv)
                             dc = after["dcount"] - before["dcount"]
@@ -323,6 +352,9 @@ def main() -> int:
                            "speedup_vs_flashinfer": None, "prefill_graphs": not a.no_prefill_graphs,
                            "page_size": a.page_size, "server_start_s": round(srv.startup_seconds or 0, 1),
                            "gpu": gpu, "date": date, "cmd": cmd, "group": group}
+                    if a.next_turn:
+                        row.update(next_turn=a.next_turn, answer_tokens=a.answer_tokens,
+                                   cached_tokens=statistics.median(cached[method]))
                     rows.append(row)
                     print(f"{method} chunk {chunk} ctx {ctx} batch {bsz}: {row['ms']:.1f} ms (all {row['ms_all']}) " +
                           ("density not read" if unread else
@@ -422,9 +454,13 @@ def main() -> int:
     path = out / "speed.json"
     old = json.loads(path.read_text()) if path.exists() else []
     path.write_text(json.dumps(old + rows, indent=1))
-    lines = [f"# Time to first token: {name} ({gpu}, {date})", "", f"Command: `{cmd}`", "",
+    turn = (f"Each timed request: the next turn of a conversation ({a.next_turn} new tokens after a first turn "
+            f"and its {a.answer_tokens}-token answer); cached: tokens it took from the radix cache (median).\n\n"
+            if a.next_turn else "")
+    lines = [f"# Time to first token: {name} ({gpu}, {date})", "", f"Command: `{cmd}`", "", turn +
              "| context | chunk | batch | method | density | sparse q-blocks | dense by density | TTFT ms (median) | "
-             "vs flashinfer | per-round ratio: median [interval] |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "vs flashinfer | per-round ratio: median [interval] |" + (" cached |" if a.next_turn else ""),
+             "|---|---|---|---|---|---|---|---|---|---|" + ("---|" if a.next_turn else "")]
     for r in rows:
         sp = f"{r['speedup_vs_flashinfer']:.2f}" if r["speedup_vs_flashinfer"] else ""
         rr = r.get("round_ratio_vs_flashinfer")
@@ -434,7 +470,7 @@ def main() -> int:
         num = lambda x: "n/a" if x is None else f"{x:.2f}"   # noqa: E731  (a compact server without metrics)
         lines.append(f"| {r['context']} | {r['chunk']} | {r['batch']} | {r['method']} | {num(r['density'])} | "
                      f"{num(r['sparse_qblocks'])} | {num(r.get('dense_density_qblocks', 0.0))} | {r['ms']:.1f} | "
-                     f"{sp} | {paired} |")
+                     f"{sp} | {paired} |" + (f" {r['cached_tokens']:.0f} |" if a.next_turn else ""))
     (out / f"{a.name}.md").write_text("\n".join(lines) + "\n")
     if profiles:
         (out / f"profile_{a.name}.json").write_text(json.dumps(profiles, indent=1))

@@ -54,6 +54,8 @@ def test_method_names():
         "compact:budget:density=0.3"]
     assert method_env("compact-dense-cachedlaunch") == {"SGLANG_COMPACT_CACHED_LAUNCH": "1"} and not method_env("compact")
     assert method_env("compact-cachedlaunch") == {"SGLANG_COMPACT_CACHED_LAUNCH": "1"}
+    reuse = method_args("compact-dense-reuse")[1]     # the radix cache as stock's (the next-turn runs)
+    assert reuse[reuse.index("--compact-prefix-cache") + 1] == "reuse" and reuse[-2:] == ["--compact-selector", "dense"]
 
 
 def test_round_ratios_pair_the_rounds_and_bound_their_median():
@@ -86,6 +88,10 @@ def test_dry_run_prints_the_plan_and_the_kv_per_rank():
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_ttft.py"), "--model", "llama-3.1-8b",
                         "--contexts", "131072", "--dry-run"], capture_output=True, text=True, timeout=120)
     assert r.returncode != 0 and "exceeds the model's 131072 positions" in r.stderr
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_ttft.py"), "--model", "llama-3.1-8b",
+                        "--contexts", "1024,8192", "--next-turn", "800", "--dry-run"], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode != 0 and "leave a first turn in the shortest context (1024 tokens)" in r.stderr
 
 
 def test_replot_draws_the_rows_of_the_dated_runs(tmp_path):
