@@ -17,7 +17,7 @@ import sys
 from typing import Sequence
 
 from sglang_compact.srt.args import PROG, build_config, config_error_message, split_args
-from sglang_compact.srt.model_checks import UnsupportedModelError, check_search_kernel
+from sglang_compact.srt.model_checks import UnsupportedModelError, check_search_kernel, check_server_features
 from sglang_compact.srt.plugin import BACKEND_NAME, names_compact
 
 #: what SGLang 0.5.17's CPU path needs in every process of the server
@@ -85,6 +85,7 @@ def prepare(argv: Sequence[str]):
         raise LaunchError(config_error_message(e)) from None
     try:
         check_search_kernel(config, str(getattr(server_args, "device", None) or ""))
+        check_server_features(server_args)
     except UnsupportedModelError as e:
         raise LaunchError(str(e)) from None
     chunk = server_args.chunked_prefill_size

@@ -190,6 +190,15 @@ BAD_FLAGS = [
     (["--compact-selector", "budget", "--compact-selector-params", '{"layer_density": "2-6"}'],
      "layer_density: must be items 'layers:value'"),
     (["--attention-backend", "torch_native", "--compact-alpha", "0.1"], "--compact-* flags need --attention-backend compact"),
+    # SGLang features that put KV into the pool outside the backend (pages without their summaries)
+    (["--enable-hierarchical-cache"], "--enable-hierarchical-cache / --hicache-storage-backend: not supported with "
+                                      "attention backend 'compact': SGLang's hierarchical cache writes pages back"),
+    (["--hicache-storage-backend", "file"], "--hicache-storage-backend: not supported with attention backend"),
+    (["--enable-lmcache"], "--enable-lmcache: not supported with attention backend 'compact'"),
+    (["--disaggregation-mode", "prefill"], "--disaggregation-mode prefill: not supported with attention backend "
+                                           "'compact': SGLang 0.5.17 transfers KV"),
+    (["--enable-hisparse"], "--enable-hisparse: not supported with attention backend 'compact'"),
+    (["--tp-size", "2", "--attn-cp-size", "2"], "--attn-cp-size 2: not supported with attention backend 'compact'"),
 ]
 
 #: runs `launch_server.main` on each argv of a JSON list in one process (SGLang imported once, not once per

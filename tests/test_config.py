@@ -199,3 +199,24 @@ def test_per_layer_selector_rows_need_rows_planned_with_bounds():
     with pytest.raises(UnsupportedModelError, match=r"layers \[9\] are not among the model's 8 layers"):
         check_layer_rows(cfg, SimpleNamespace(model_layers=8, start_layer=0), planned_once=False,
                          selector_layers=layers)
+
+
+def test_features_that_write_kv_outside_the_backend_are_refused():
+    """`srt.model_checks.check_server_features`, run at launch and at server start: SGLang's defaults pass; each
+    feature that puts KV into the pool outside the backend is refused, naming its flag."""
+    from types import SimpleNamespace
+
+    from sglang_compact.srt.model_checks import UnsupportedModelError, check_server_features
+    stock = dict(enable_hierarchical_cache=False, hicache_storage_backend=None, enable_lmcache=False,
+                 disaggregation_mode="null", enable_hisparse=False, attn_cp_size=1, enable_prefill_cp=False)
+    check_server_features(SimpleNamespace(**stock))
+    check_server_features(SimpleNamespace(**{**stock, "attn_cp_size": None}))   # before SGLang resolves it
+    for change, flag in [(dict(enable_hierarchical_cache=True), "--enable-hierarchical-cache"),
+                         (dict(hicache_storage_backend="file"), "--hicache-storage-backend"),
+                         (dict(enable_lmcache=True), "--enable-lmcache"),
+                         (dict(disaggregation_mode="decode"), "--disaggregation-mode decode"),
+                         (dict(enable_hisparse=True), "--enable-hisparse"),
+                         (dict(attn_cp_size=4), "--attn-cp-size 4"),
+                         (dict(enable_prefill_cp=True), "--enable-prefill-cp")]:
+        with pytest.raises(UnsupportedModelError, match=flag):
+            check_server_features(SimpleNamespace(**{**stock, **change}))

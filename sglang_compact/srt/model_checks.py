@@ -43,6 +43,45 @@ def check_search_kernel(config: CompactConfig, device_type: str) -> None:
                                     f"query_stride <= {max(bs // least, 1)} at --page-size {bs}, or a larger page")
 
 
+#: why a page the backend did not write is wrong for it
+_NO_SUMMARIES = ("outside the attention backend, so they would not carry the page summaries the selectors rank "
+                 "pages by (silently wrong selections)")
+
+
+def _kv_outside_backend(sa) -> list[tuple[str, str]]:
+    """(flag, why) of each SGLang feature on in `sa` that puts KV into the device pool outside the backend."""
+    on = []
+    if getattr(sa, "enable_hierarchical_cache", False) or getattr(sa, "hicache_storage_backend", None):
+        on.append(("--enable-hierarchical-cache / --hicache-storage-backend",
+                   f"SGLang's hierarchical cache writes pages back into the device pool {_NO_SUMMARIES}"))
+    if getattr(sa, "enable_lmcache", False):
+        on.append(("--enable-lmcache", f"LMCache writes pages back into the device pool {_NO_SUMMARIES}"))
+    mode = getattr(sa, "disaggregation_mode", "null") or "null"
+    if mode != "null":
+        on.append((f"--disaggregation-mode {mode}", "SGLang 0.5.17 transfers KV between prefill and decode servers "
+                   "by token slot and does not support the head-major pool the backend needs "
+                   "(SGLANG_USE_HND_KVCACHE)"))
+    if getattr(sa, "enable_hisparse", False):
+        on.append(("--enable-hisparse", "SGLang's hierarchical sparse attention moves KV between host and device "
+                   "and selects pages itself"))
+    cp = getattr(sa, "attn_cp_size", 1) or 1
+    if cp > 1 or getattr(sa, "enable_prefill_cp", False):
+        on.append((f"--attn-cp-size {cp}" if cp > 1 else "--enable-prefill-cp", "context parallelism splits a "
+                   f"prompt's tokens across ranks and writes their KV {_NO_SUMMARIES}"))
+    return on
+
+
+def check_server_features(server_args) -> None:
+    """Refuse SGLang features that put KV into the device pool outside the attention backend: the backend writes
+    each page's summaries with its KV, in a head-major pool, and a page written by anything else would be
+    ranked by stale summaries or read in the wrong layout, wrong answers with nothing to say so."""
+    on = _kv_outside_backend(server_args)
+    if on:
+        flag, why = on[0]
+        raise UnsupportedModelError(f"{flag}: not supported with attention backend 'compact': {why}; drop the "
+                                    "flag, or use another attention backend")
+
+
 def check_runner(view: RunnerView) -> None:
     if view.is_mla:
         raise UnsupportedModelError("attention backend 'compact' does not support MLA models "

@@ -15,7 +15,7 @@ from sglang_compact.gate import Gate, ModelShape
 from sglang_compact.summaries import PageSummaries
 from sglang_compact.srt import alignment, compat
 from sglang_compact.srt.model_checks import (UnsupportedModelError, check_attention_layers, check_runner,
-                                             check_search_kernel, config_for)
+                                             check_search_kernel, check_server_features, config_for)
 from sglang_compact.srt.prompt_notes import NOTES
 from sglang_compact.srt.telemetry import CompactTelemetry, metrics_for
 
@@ -114,6 +114,7 @@ class CompactRuntime:
         config = config_for(compat.attached_config(model_runner.server_args), view.page_size)
         check_runner(view)
         check_search_kernel(config, view.device.type)
+        check_server_features(model_runner.server_args)
         h_q, scale = check_attention_layers(compat.attention_layers(model_runner.model), view.num_kv_heads,
                                             view.head_dim)
         compact = CompactAttention(config)
