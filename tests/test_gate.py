@@ -113,19 +113,49 @@ def test_shipped_model_gates_the_small_model_off_at_short_contexts(name):
     assert be is None or be >= 8192
 
 
-def test_the_exact_prefix_ends_at_the_last_sparse_window():
-    """What the radix cache may hold and hand out of a prompt (sglang_compact/srt/alignment.py): its KV up to its
-    last sparse window is what any longer prompt computes cold; later windows were computed dense (the dense tail)
-    or from part of a window's queries."""
-    from sglang_compact.srt.alignment import exact_prefix_len
+def test_the_dense_tail_starts_after_the_last_sparse_window():
+    """Where a prompt's dense tail starts (sglang_compact/srt/alignment.py): before it its KV is what any prompt
+    sparse over the same windows computes cold; from it on every page was read (the dense tail, the output)."""
+    from sglang_compact.srt.alignment import dense_tail_start
 
     gate = Gate(CompactConfig(block_size=64, dense_tail=1000), GateDecision(4096, "flag", ""))
-    assert exact_prefix_len(gate, 20000) == 18 * 1024      # windows 4..17 sparse
-    assert exact_prefix_len(gate, 5000) == 4 * 1024        # none sparse: up to the gate (dense below it)
-    assert exact_prefix_len(gate, 1000) == 4 * 1024        # shorter than that: all of it
-    assert exact_prefix_len(None, 20000) is None           # no compact backend in this process
+    assert dense_tail_start(gate, 20000) == 18 * 1024      # windows 4..17 sparse
+    assert dense_tail_start(gate, 5000) == 4 * 1024        # none sparse: at the gate (dense below it too)
+    assert dense_tail_start(gate, 1000) == 4 * 1024        # shorter than that: past its end
+    assert dense_tail_start(None, 20000) is None           # no compact backend in this process
     never = Gate(CompactConfig(block_size=64), GateDecision(NEVER, "selector dense", ""))
-    assert exact_prefix_len(never, 20000) is None          # never sparse: every page read, all of it reusable
+    assert dense_tail_start(never, 20000) is None          # never sparse: every page read, everything serves
+
+
+def test_cached_kv_serves_a_prompt_that_computes_it_the_same_way():
+    """`first_inexact`: along the tree nodes a hit matched, the first position a prompt would compute otherwise
+    cold. Windows of 1024 tokens, sparse from window 4, dense tail 1000 tokens: a 20000-token prompt's dense tail
+    starts at 18 * 1024 (its windows 4..17 sparse)."""
+    from sglang_compact.srt.alignment import first_inexact
+
+    gate = Gate(CompactConfig(block_size=64, dense_tail=1000), GateDecision(4096, "flag", ""))
+    W = 1024
+    # cached by the same prompt (dense from 18 W): all of it serves a repeat, both the sparse and the dense part
+    assert first_inexact(gate, [(0, 19900, 18 * W)], 20000) == 19900
+    # ... and a prompt whose dense tail starts at the same window (a short continuation: 20400 tokens)
+    assert first_inexact(gate, [(0, 19900, 18 * W)], 20400) == 19900
+    # a longer prompt (its tail from 20 W) computes windows 18, 19 sparse: the cached dense copies stop at 18 W
+    assert first_inexact(gate, [(0, 19900, 18 * W)], 22000) == 18 * W
+    # a shorter prompt (its tail from 17 W) reads every page of window 17, which was cached sparse
+    assert first_inexact(gate, [(0, 19900, 18 * W)], 19000) == 17 * W
+    # below the gate every window reads every page: a cached dense tail there serves every prompt
+    assert first_inexact(gate, [(0, 3000, 2 * W), (3000, 4096, 2 * W)], 20000) == 4096
+    # nodes from two prompts: sparse to 10 W by one, then dense from 12 W by another
+    spans = [(0, 10 * W, 18 * W), (10 * W, 13 * W, 12 * W)]
+    assert first_inexact(gate, spans, 20000) == 12 * W        # sparse here: the dense copy of window 12 does not serve
+    assert first_inexact(gate, spans, 13 * W + 500) == 13 * W    # its tail from 12 W: all of it
+    # a node without a record was computed sparse as far as it goes (what a cache of only exact prefixes holds)
+    assert first_inexact(gate, [(0, 19900, None)], 20000) == 18 * W
+    # never sparse, or `reuse`: everything serves
+    never = Gate(CompactConfig(block_size=64), GateDecision(NEVER, "selector dense", ""))
+    assert first_inexact(never, [(0, 19900, 4 * W)], 30000) == 19900
+    reuse = Gate(CompactConfig(block_size=64, prefix_cache="reuse"), GateDecision(4096, "flag", ""))
+    assert first_inexact(reuse, [(0, 19900, 4 * W)], 30000) == 19900
 
 
 def test_break_even_density_where_the_rows_stop_paying():

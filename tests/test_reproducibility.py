@@ -65,9 +65,9 @@ PROMPTS = make_prompts()
 LO = -(-MIN_CONTEXT // CHUNK)   # the first sparse window (windows of CHUNK tokens)
 
 
-def exact_len(prompt_len: int) -> int:
-    """Tokens of a prompt the default selector's server may cache and reuse (sglang_compact/srt/alignment.py): up
-    to its last sparse window (sparse from MIN_CONTEXT to the dense tail)."""
+def tail_start(prompt_len: int) -> int:
+    """Where a prompt's dense tail starts for the default selector's server (sglang_compact/srt/alignment.py): it
+    computes its windows sparse from MIN_CONTEXT to there, and reads every page from there on."""
     return max(LO, (prompt_len - DENSE_TAIL) // CHUNK) * CHUNK
 
 
@@ -76,19 +76,35 @@ def shared_pages(a, b, limit: int) -> int:
     return n // PAGE * PAGE
 
 
+def first_inexact(matched: int, cached_tail: int, tail: int) -> int:
+    """The first of `matched` cached tokens (computed by a prompt whose dense tail starts at `cached_tail`) that a
+    prompt whose dense tail starts at `tail` computes otherwise: cached sparse where it reads every page, or the
+    other way round (below the gate both read every page)."""
+    below = LO * CHUNK
+    wrong = [max(below, tail)] if max(below, tail) < min(matched, cached_tail) else []
+    a = max(cached_tail, below)
+    wrong += [a] if a < min(matched, tail) else []
+    return min(wrong, default=matched)
+
+
 def expected_hits(prompts) -> list[int]:
     """The default selector's cache hits when `prompts` are sent one after another to an empty cache, modelling
-    its radix cache as the prompt prefixes it was given: a hit is cut to the prompt's exact part, back to a window
-    start when the prompt has a sparse window; a prompt enters the cache up to its exact part, and only up to a
-    window start when the cache already held part of a sparse window there."""
-    cached, hits = [], []
+    its radix cache as the prompts it was given, each with where its dense tail starts: a hit is cut to what the
+    prompt computes the same way cold (`first_inexact`), back to a window start where that falls before its own
+    dense tail; a prompt enters the cache whole, unless the cache already held tokens of it that it computed
+    otherwise, or part of one of its sparse windows: then only up to there."""
+    cached, hits = [], []   # (tokens, dense tail start) of each prompt cached
     for p in prompts:
-        exact = exact_len(len(p))
-        has_sparse = (len(p) - DENSE_TAIL) // CHUNK > LO
-        keep = min(max((shared_pages(p, c, len(c)) for c in cached), default=0), exact)
-        hits.append(keep // CHUNK * CHUNK if has_sparse else keep)
-        held = max((shared_pages(p, c, min(len(c), exact)) for c in cached), default=0)
-        cached.append(p[:held // CHUNK * CHUNK if held % CHUNK and held > LO * CHUNK else exact])
+        tail = tail_start(len(p))
+        has_sparse = tail > LO * CHUNK
+        best = max(cached, key=lambda c: shared_pages(p, c[0], len(p) - 1), default=None)
+        keep = 0 if best is None else first_inexact(shared_pages(p, best[0], len(p) - 1), best[1], tail)
+        hits.append(keep // CHUNK * CHUNK if has_sparse and keep < tail else keep)
+        held = 0 if best is None else shared_pages(p, best[0], len(p))
+        limit = 0 if best is None else first_inexact(held, best[1], tail)
+        if LO * CHUNK < limit < tail and limit % CHUNK:
+            limit = limit // CHUNK * CHUNK
+        cached.append((p if limit >= held else p[:limit], tail))
     return hits
 
 

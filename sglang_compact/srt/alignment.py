@@ -9,24 +9,30 @@ it landed in (`W` the window, `[lo, hi)` a prompt's sparse windows from the gate
 
 * chunk ends: the scheduler's `truncation_align_size` (what SGLang's deterministic mode uses to align
   chunk lengths) becomes a multiple of W, so a chunk that starts on a window boundary ends on one;
-* what enters the radix cache: a request's KV is cached only up to `hi * W` of its prompt (`lo * W`
-  when none of its windows is sparse). Its later windows were computed dense (its dense tail) or
-  from part of a window's queries, which a longer prompt sharing them would compute sparse, over
-  the whole window. And only up to the start of a sparse window that the cache already holds part
-  of: the KV of a sparse window's first tokens depends on its later tokens (they join the union),
-  so a cached prompt that shares only the window's first tokens holds other KV for them, which
-  SGLang would otherwise swap in for the request's own when it caches the request's chunk;
-* what a request takes from the cache: at most `hi * W` of its own prompt (its dense-tail windows
-  are computed dense, which the cached copies were not), cut back to a window start when it has a
-  sparse window (chunks then start, and so end, on window boundaries).
+* what a request takes from the cache (`align_cache_hit`): the KV it would compute the same way cold
+  (`first_inexact`). Each tree node records where the request that inserted it began reading every page,
+  `hi * W` of that request (`compat.NODE_DENSE_FROM`; marked by `mark_inserted_node`, kept through splits by
+  `mark_split_node`): its tokens from the gate's first sparse window to there were computed sparse, as
+  every prompt sparse over the same whole windows computes them, and serve a request sparse there (before its
+  own dense tail); its later tokens (the dense tail, the output) were computed reading every page, causally,
+  and serve a request that reads every page there (in its own dense tail). Below the gate every request
+  reads every page. A hit is cut back to a window start where it ends before the request's dense tail (a
+  sparse window is computed whole, so chunks start, and so end, on window boundaries there);
+* what enters the radix cache (`limit_cached_prefix`): the request's prompt and output, on top of cached KV it
+  computed the same way. Where the cache already holds tokens of the request that it computed otherwise
+  (another prompt's dense tail where this one is sparse), or part of one of its sparse windows (the KV of a
+  sparse window's first tokens depends on its later tokens, which join the union, so a cached prompt that
+  shares only the window's first tokens holds other KV for them), only up to there: SGLang would otherwise
+  attach the request's later KV to the cached copies, and swap those in for the request's own when it caches
+  a chunk.
 
-So every cached window was computed the way each request that reads it would compute it cold. The
-cost: a request recomputes at most its dense tail plus one window of a cache hit (a repeated prompt
-recomputes its dense tail), and the cache keeps no prompt's last dense_tail + W tokens or output: a
-conversation's next turn recomputes the last turn's tail and answer. `--compact-prefix-cache reuse` trades
-the exactness for stock's reuse: the cache keeps and serves everything, a hit is only cut back to a window
-start (chunks still start and end on window boundaries), and a later prompt reads KV its cold run would
-have computed otherwise (the tail and output were computed dense).
+So every cached token was computed the way each request that reads it computes it cold. A repeated prompt,
+parallel samples of one and a follow-up whose dense tail starts at the same window reuse it all. The cost is a
+longer prompt sharing another's dense tail or output (a conversation's next turn, once past the gate): it
+computes those windows sparse, so it recomputes them from where the earlier prompt's dense tail began (the
+last turn's tail and answer, plus at most one window). `--compact-prefix-cache reuse` trades the exactness for
+stock's reuse: every cached token serves, a hit is only cut back to a window start where it ends before the
+request's dense tail, and a later prompt may read KV its cold run would have computed otherwise.
 
 * a pass's prefill budget: with `--enable-mixed-chunk` SGLang takes the decode tokens mixed into a pass
   off the chunk budget; it is rounded back up to whole windows (`whole_window_budget`), else a chunk of one
@@ -51,8 +57,10 @@ logger = logging.getLogger(__name__)
 
 #: the gate of this scheduler's compact backend (set by the backend at start; None: no compact backend)
 ACTIVE_GATE = None
-#: while the radix cache inserts a request's KV: the most tokens of it that may enter the cache
+#: while the radix cache inserts a request's KV: the most tokens of it that may enter the cache, and where the
+#: request began reading every page (its new tree node's `compat.NODE_DENSE_FROM`)
 _INSERT_LIMIT: list[int | None] = [None]
+_INSERT_DENSE_FROM: list[int | None] = [None]
 
 
 def activate(gate) -> None:
@@ -60,14 +68,43 @@ def activate(gate) -> None:
     ACTIVE_GATE = gate
 
 
-def exact_prefix_len(gate, prompt_len: int) -> int | None:
-    """The tokens of a prompt whose KV is computed as every longer prompt sharing them computes it, the most the
-    cache keeps and serves of it (None: all of them, when no window is ever sparse, or under
-    `--compact-prefix-cache reuse`, which keeps everything)."""
+def dense_tail_start(gate, prompt_len: int) -> int | None:
+    """Where a prompt's dense tail starts (`hi * W`): before it, from the gate's first sparse window, its KV is
+    computed as every prompt sharing those windows and sparse there computes it; from it on (the dense tail, the
+    output) every page is read. None: no window is ever sparse, or `--compact-prefix-cache reuse` (every cached
+    token is served)."""
     if gate is None or gate.decision.never or gate.config.prefix_cache == "reuse":
         return None
     _, hi = gate.sparse_range(prompt_len)
     return hi * gate.window
+
+
+def first_inexact(gate, spans, prompt_len: int) -> int:
+    """The first cached position whose KV a prompt of `prompt_len` tokens would compute otherwise cold, along the
+    tree nodes `spans` ((start, end, dense_from) in token positions, from the prompt's start; dense_from: where the
+    node's inserter began reading every page, None when not recorded: never). Below the gate every window reads
+    every page; from there a node's tokens before its dense_from were computed sparse as in their inserter's
+    sparse windows, and serve a prompt for which they are sparse too (before its own dense tail); its tokens
+    from dense_from on were computed reading every page, and serve a prompt that reads every page there (in its
+    dense tail or output). Every page read is causal, so those serve whatever follows; a sparse window serves
+    only whole (`align_cache_hit`, `limit_cached_prefix`)."""
+    end = spans[-1][1] if spans else 0
+    tail = dense_tail_start(gate, prompt_len)
+    if tail is None:
+        return end
+    below = gate.sparse_range(prompt_len)[0] * gate.window   # the gate's first sparse window
+    for start, stop, dense_from in spans:
+        dense_from = stop if dense_from is None else dense_from
+        wrong = []
+        a, b = max(start, below), min(stop, dense_from)        # computed sparse: wrong in the prompt's dense tail
+        if a < b and max(a, tail) < b:
+            wrong.append(max(a, tail))
+        a = max(start, dense_from, below)                      # computed reading every page: wrong where sparse
+        if a < stop and a < tail:
+            wrong.append(a)
+        if wrong:
+            return min(wrong)
+    return end
 
 
 def align_chunk_ends(result, scheduler, *args, **kwargs):
@@ -80,19 +117,19 @@ def align_chunk_ends(result, scheduler, *args, **kwargs):
 
 
 def align_cache_hit(result, req, tree_cache=None, *args, **kwargs):
-    """AFTER hook of `Req.init_next_round_input`: a cache hit is cut to the request's exact prefix, and back to a
-    window start when the request has a sparse window."""
+    """AFTER hook of `Req.init_next_round_input`: a cache hit is cut to what the request computes the same way
+    cold (`first_inexact`), and back to a window start where that falls before the request's dense tail and the
+    request has a sparse window."""
     gate = ACTIVE_GATE
     if gate is None or tree_cache is None:
         return None
     matched = compat.request_matched_len(req)
-    prompt = compat.request_prompt_len(req)
-    limit = exact_prefix_len(gate, prompt)
     if gate.decision.never or matched == 0:
         return None
-    keep = matched if limit is None else min(matched, limit)
+    prompt = compat.request_prompt_len(req)
+    keep = min(matched, first_inexact(gate, compat.node_path_spans(compat.request_cache_node(req)), prompt))
     lo, hi = gate.sparse_range(prompt)
-    if lo < hi:
+    if lo < hi and keep < hi * gate.window:
         keep = keep // gate.window * gate.window
     if keep < matched:
         compat.truncate_request_prefix(req, keep)
@@ -168,27 +205,57 @@ def align_continuing_chunk(original, adder, req, *args, **kwargs):
 
 
 def limit_cached_prefix(original, cache, req, *args, **kwargs):
-    """AROUND hook of the radix cache's insertion of a request's KV (finished or chunked): at most its exact
-    prefix enters the cache (`cap_cache_key` cuts the key while this runs); the rest stays the request's own
-    and is freed with it."""
+    """AROUND hook of the radix cache's insertion of a request's KV (finished or chunked). Its new tree node is
+    marked with where the request began reading every page (`compat.NODE_DENSE_FROM`), and the request's KV
+    enters the cache only on top of cached KV it computes the same way: where the cache already holds KV of the
+    request's tokens that the request computed otherwise (another prompt's dense tail where this one is sparse,
+    or part of a sparse window another prompt completed with other tokens), only up to there
+    (`cap_cache_key` cuts the key while this runs); the rest stays the request's own and is freed with it."""
     gate = ACTIVE_GATE
     prompt = compat.request_origin_len(req)
-    limit = exact_prefix_len(gate, prompt)
-    if limit:
-        dense_below = gate.sparse_range(prompt)[0] * gate.window   # windows below the gate: dense, causal
+    dense_from = dense_tail_start(gate, prompt)
+    limit = None
+    if dense_from is not None:
         try:
-            held = compat.cached_prefix_len(cache, req, limit)
+            spans = compat.cached_prefix_spans(cache, req)
         except Exception:  # an SGLang whose cache we do not understand: cache only the part below the gate
             log_once(logger, logging.ERROR, "sglang_compact: could not read the radix cache's match for a request; "
                      "caching only its part below the gate", exc_info=True)
-            held = limit = min(limit, dense_below)
-        if held % gate.window and held > dense_below:
-            limit = held // gate.window * gate.window
+            limit = gate.sparse_range(prompt)[0] * gate.window
+        else:
+            held = spans[-1][1] if spans else 0
+            limit = first_inexact(gate, spans, prompt)
+            below = gate.sparse_range(prompt)[0] * gate.window
+            if below < limit < dense_from and limit % gate.window:
+                limit = limit // gate.window * gate.window   # part of one of its sparse windows: another prompt's
+            if limit >= held:
+                limit = None   # nothing cached that this request computed otherwise: all of it
     _INSERT_LIMIT[0] = limit
+    _INSERT_DENSE_FROM[0] = dense_from
     try:
         return original(cache, req, *args, **kwargs)
     finally:
-        _INSERT_LIMIT[0] = None
+        _INSERT_LIMIT[0] = _INSERT_DENSE_FROM[0] = None
+
+
+def mark_inserted_node(result, cache, node, key, *args, **kwargs):
+    """AFTER hook of the radix tree's insertion of a key (while `limit_cached_prefix` runs): the node it created
+    for the key's uncached rest (the one it returns when it held less than the key) gets the inserting request's
+    dense start."""
+    dense_from = _INSERT_DENSE_FROM[0]
+    created = compat.inserted_node(result, key) if dense_from is not None else None
+    if created is not None:
+        compat.set_node_dense_from(created, dense_from)
+    return None
+
+
+def mark_split_node(result, cache, key, child, *args, **kwargs):
+    """AFTER hook of the radix tree's node split: the new node (the first part of the child's tokens) has the
+    child's inserter, so its dense start."""
+    dense_from = compat.node_dense_from(child)
+    if dense_from is not None and result is not None:
+        compat.set_node_dense_from(result, dense_from)
+    return None
 
 
 def cap_cache_key(result, *args, **kwargs):

@@ -50,6 +50,12 @@ REQUEST_CACHE_MATCH = "sglang.srt.managers.schedule_batch.Req.init_next_round_in
 CACHE_FINISHED = "sglang.srt.mem_cache.radix_cache.RadixCache.cache_finished_req"
 CACHE_UNFINISHED = "sglang.srt.mem_cache.radix_cache.RadixCache.cache_unfinished_req"
 CACHE_KEY_ALIGN = "sglang.srt.mem_cache.radix_cache.RadixKey.page_aligned"
+#: the radix tree's node split (a match or insert ending inside a node) and its insertion of a key's new node
+CACHE_NODE_SPLIT = "sglang.srt.mem_cache.radix_cache.RadixCache._split_node"
+CACHE_NODE_INSERT = "sglang.srt.mem_cache.radix_cache.RadixCache._insert_helper"
+#: on a radix tree node: the position (tokens from the prompt's start) from which the request that inserted the
+#: node computed its tokens' KV reading every page (its dense tail and output); None: not recorded
+NODE_DENSE_FROM = "compact_dense_from"
 #: the scheduler's prefill budget of one pass (built per pass), and its admission of the continuing chunk of a
 #: request whose prompt did not fit the previous pass
 PREFILL_BUDGET_INIT = "sglang.srt.managers.schedule_policy.PrefillAdder.__init__"
@@ -166,14 +172,47 @@ def request_origin_len(req) -> int:
     return len(req.origin_input_ids)
 
 
-def cached_prefix_len(cache, req, tokens: int) -> int:
-    """How many of the request's first `tokens` prompt tokens the radix cache holds now (page-aligned)."""
+def cached_prefix_spans(cache, req) -> list[tuple[int, int, int | None]]:
+    """What the radix cache holds now of the request's prompt and output: (start, end, dense_from) of each tree
+    node along them (`NODE_DENSE_FROM`), in token positions, page-aligned."""
     from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
     from sglang.srt.mem_cache.radix_cache import RadixKey
 
-    # the token container SGLang keys its tree with (an array): the fill ids' first tokens are the prompt's
-    key = RadixKey(req.full_untruncated_fill_ids[:tokens], req.extra_key, is_bigram=getattr(cache, "is_eagle", False))
-    return len(cache.match_prefix(MatchPrefixParams(key=key)).device_indices)
+    key = RadixKey(req.origin_input_ids + req.output_ids, req.extra_key, is_bigram=getattr(cache, "is_eagle", False))
+    return node_path_spans(cache.match_prefix(MatchPrefixParams(key=key)).last_device_node)
+
+
+def node_path_spans(node) -> list[tuple[int, int, int | None]]:
+    """(start, end, dense_from) of each radix tree node from the root's child to `node`, in token positions."""
+    path = []
+    while node is not None and node.parent is not None:
+        path.append(node)
+        node = node.parent
+    spans, start = [], 0
+    for n in reversed(path):
+        spans.append((start, start + len(n.key), getattr(n, NODE_DENSE_FROM, None)))
+        start += len(n.key)
+    return spans
+
+
+def request_cache_node(req):
+    """The radix tree node that ends a request's cache hit."""
+    return req.last_node
+
+
+def inserted_node(insert_result, key):
+    """The node `RadixCache._insert_helper` created for the part of `key` the tree did not hold (the node it
+    returns, with the length it held), or None when it held all of the key."""
+    held, last = insert_result
+    return last if held < len(key) else None
+
+
+def set_node_dense_from(node, position: int) -> None:
+    setattr(node, NODE_DENSE_FROM, position)
+
+
+def node_dense_from(node) -> int | None:
+    return getattr(node, NODE_DENSE_FROM, None)
 
 
 def truncate_request_prefix(req, tokens: int) -> None:

@@ -18,7 +18,8 @@ import sys
 
 from sglang_compact.srt import compat
 from sglang_compact.srt.alignment import (align_cache_hit, align_chunk_ends, align_continuing_chunk, cap_cache_key,
-                                          limit_cached_prefix, whole_window_budget)
+                                          limit_cached_prefix, mark_inserted_node, mark_split_node,
+                                          whole_window_budget)
 from sglang_compact.srt.memory import add_summaries_to_cell_size
 from sglang_compact.srt.prompt_notes import note_prompt_lengths
 from sglang_compact.srt.request_checks import hooks as request_check_hooks
@@ -59,5 +60,7 @@ def register() -> None:
     compat.register_hook(compat.CACHE_FINISHED, limit_cached_prefix, "AROUND")
     compat.register_hook(compat.CACHE_UNFINISHED, limit_cached_prefix, "AROUND")
     compat.register_hook(compat.CACHE_KEY_ALIGN, cap_cache_key, "AFTER")
+    compat.register_hook(compat.CACHE_NODE_INSERT, mark_inserted_node, "AFTER")
+    compat.register_hook(compat.CACHE_NODE_SPLIT, mark_split_node, "AFTER")
     compat.register_hook(compat.PREFILL_BUDGET_INIT, whole_window_budget, "AFTER")
     compat.register_hook(compat.CONTINUING_CHUNK, align_continuing_chunk, "AROUND")
