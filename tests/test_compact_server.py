@@ -107,10 +107,11 @@ def test_flashprefill_answer_does_not_depend_on_the_cache(model_dir, params, ext
         metrics = srv.get_text("/metrics")
     assert len(first[0]) == NEW
     # windows of 128 tokens (the chunk size), sparse from 256 tokens of context up to the dense tail (the last 64 of
-    # 1205 tokens: windows from (1205 - 64) // 128 = 8 on). The cache keeps and reuses only KV computed as a cold
-    # prefill computes it (sglang_compact/srt/alignment.py): the first 8 * 128 = 1024 tokens of this prompt, and the
-    # first (595 - 64) // 128 * 128 = 512 of the 595-token one
-    assert int(again[1]["cached_tokens"]) == 1024 and int(after_hit[1]["cached_tokens"]) == 512
+    # 1205 tokens: windows from (1205 - 64) // 128 = 8 on). A hit serves only KV computed as a cold prefill computes
+    # it (sglang_compact/srt/alignment.py): the repeat all of its prompt but the last token, page-aligned (it reads
+    # every page from 1024 on, as the cached copy was computed); of the 595-token prompt, whose dense tail starts at
+    # (595 - 64) // 128 * 128 = 512, the first 512 tokens (this prompt computes the next window sparse)
+    assert int(again[1]["cached_tokens"]) == 1200 and int(after_hit[1]["cached_tokens"]) == 512
     assert_same_tokens([first, first], [again, after_hit], "cold vs cached")
     assert "selector='flashprefill'" in log and "dense_tail 64" in log
     assert f"fix_rows={'fix_rows' in params}" in log

@@ -41,7 +41,7 @@ request's dense tail, and a later prompt may read KV its cold run would have com
   chunk to that room; it is cut back to the last window end (`align_continuing_chunk`).
 
 One split is left: a pool with room for less than the rest of the current window (logged). Radix caches
-other than SGLang's `RadixCache` (hierarchical, SWA, ...) are not limited.
+other than SGLang's `RadixCache` (SWA, ...; the hierarchical cache is refused at start) are not limited.
 """
 
 from __future__ import annotations
