@@ -79,6 +79,20 @@ def dense_tail_start(gate, prompt_len: int) -> int | None:
     return hi * gate.window
 
 
+def sparse_start(gate, prompt_len: int) -> int:
+    """Where the gate's first sparse window of a prompt starts (`lo * W`): every page is read before it."""
+    return gate.sparse_range(prompt_len)[0] * gate.window
+
+
+def window_start_before_tail(gate, pos: int, prompt_len: int) -> int:
+    """`pos` cut back to a window start where it falls before the prompt's dense tail and the prompt has a sparse
+    window: a sparse window is computed whole in one pass, so a cache hit or an insert may not end inside one."""
+    lo, hi = gate.sparse_range(prompt_len)
+    if lo < hi and pos < hi * gate.window:
+        return pos // gate.window * gate.window
+    return pos
+
+
 def first_inexact(gate, spans, prompt_len: int) -> int:
     """The first cached position whose KV a prompt of `prompt_len` tokens would compute otherwise cold, along the
     tree nodes `spans` ((start, end, dense_from) in token positions, from the prompt's start; dense_from: where the
@@ -92,7 +106,7 @@ def first_inexact(gate, spans, prompt_len: int) -> int:
     tail = dense_tail_start(gate, prompt_len)
     if tail is None:
         return end
-    below = gate.sparse_range(prompt_len)[0] * gate.window   # the gate's first sparse window
+    below = sparse_start(gate, prompt_len)
     for start, stop, dense_from in spans:
         dense_from = stop if dense_from is None else dense_from
         wrong = []
@@ -128,9 +142,7 @@ def align_cache_hit(result, req, tree_cache=None, *args, **kwargs):
         return None
     prompt = compat.request_prompt_len(req)
     keep = min(matched, first_inexact(gate, compat.node_path_spans(compat.request_cache_node(req)), prompt))
-    lo, hi = gate.sparse_range(prompt)
-    if lo < hi and keep < hi * gate.window:
-        keep = keep // gate.window * gate.window
+    keep = window_start_before_tail(gate, keep, prompt)
     if keep < matched:
         compat.truncate_request_prefix(req, keep)
     return None
@@ -221,13 +233,11 @@ def limit_cached_prefix(original, cache, req, *args, **kwargs):
         except Exception:  # an SGLang whose cache we do not understand: cache only the part below the gate
             log_once(logger, logging.ERROR, "sglang_compact: could not read the radix cache's match for a request; "
                      "caching only its part below the gate", exc_info=True)
-            limit = gate.sparse_range(prompt)[0] * gate.window
+            limit = sparse_start(gate, prompt)
         else:
             held = spans[-1][1] if spans else 0
-            limit = first_inexact(gate, spans, prompt)
-            below = gate.sparse_range(prompt)[0] * gate.window
-            if below < limit < dense_from and limit % gate.window:
-                limit = limit // gate.window * gate.window   # part of one of its sparse windows: another prompt's
+            # part of one of its sparse windows holds another prompt's KV: the whole window is left out
+            limit = window_start_before_tail(gate, first_inexact(gate, spans, prompt), prompt)
             if limit >= held:
                 limit = None   # nothing cached that this request computed otherwise: all of it
     _INSERT_LIMIT[0] = limit
