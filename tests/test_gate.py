@@ -158,6 +158,27 @@ def test_cached_kv_serves_a_prompt_that_computes_it_the_same_way():
     assert first_inexact(reuse, [(0, 19900, 4 * W)], 30000) == 19900
 
 
+def test_a_hit_is_cut_to_a_window_start_an_insert_only_inside_a_sparse_window():
+    """A cache hit ending inside a window before the dense tail is cut back to the window start, even below the
+    gate (chunks are whole windows from where it ends); an insert is cut only inside a sparse window, so a request
+    on top of a cached prefix that ends mid-window below the gate still enters the cache. Windows of 1024 tokens,
+    sparse from window 4, dense tail 1000 tokens: a 20000-token prompt reads every page from 18 * 1024."""
+    from sglang_compact.srt.alignment import insert_limit, window_start_before_tail
+
+    gate = Gate(CompactConfig(block_size=64, dense_tail=1000), GateDecision(4096, "flag", ""))
+    W = 1024
+    assert window_start_before_tail(gate, 3000, 20000) == 2 * W         # below the gate: a hit still is cut
+    assert window_start_before_tail(gate, 6000, 20000) == 5 * W         # inside a sparse window
+    assert window_start_before_tail(gate, 19000, 20000) == 19000        # in the dense tail: served as is
+    assert window_start_before_tail(gate, 3000, 4000) == 3000           # no sparse window: served as is
+    assert insert_limit(gate, [], 20000) is None                        # nothing cached: all of it enters
+    assert insert_limit(gate, [(0, 3000, 20000)], 20000) is None        # cached to mid-window below the gate
+    assert insert_limit(gate, [(0, 6144, 20000)], 20000) is None        # whole sparse windows, computed alike
+    assert insert_limit(gate, [(0, 6000, 20000)], 20000) == 5 * W       # part of a sparse window: left out
+    # another prompt's dense tail from 5 W where this one is sparse: only up to there
+    assert insert_limit(gate, [(0, 6000, 5 * W)], 20000) == 5 * W
+
+
 def test_break_even_density_where_the_rows_stop_paying():
     """Per window, rows reading density d of the pages (plus the search) against the dense kernel on all of them:
     both scale with the context, so one density; slower rows kernels and finer searches lower it."""

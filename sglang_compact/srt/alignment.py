@@ -85,8 +85,9 @@ def sparse_start(gate, prompt_len: int) -> int:
 
 
 def window_start_before_tail(gate, pos: int, prompt_len: int) -> int:
-    """`pos` cut back to a window start where it falls before the prompt's dense tail and the prompt has a sparse
-    window: a sparse window is computed whole in one pass, so a cache hit or an insert may not end inside one."""
+    """Where a cache hit ending at `pos` is cut back to: a window start, where it falls before the prompt's dense
+    tail and the prompt has a sparse window. Chunks are whole windows from where the hit ends, so a hit ending
+    inside a window, even below the gate, would split the sparse windows after it across passes."""
     lo, hi = gate.sparse_range(prompt_len)
     if lo < hi and pos < hi * gate.window:
         return pos // gate.window * gate.window
@@ -119,6 +120,19 @@ def first_inexact(gate, spans, prompt_len: int) -> int:
         if wrong:
             return min(wrong)
     return end
+
+
+def insert_limit(gate, spans, prompt_len: int) -> int | None:
+    """How much of a request's KV may enter the radix cache, which holds `spans` of it (as `first_inexact`): up to
+    the first cached token it computed otherwise, and back to a window start where that falls inside one of its
+    sparse windows (the cache holds another prompt's KV for part of the window, so the whole window is left out).
+    None: all of it. Unlike a cache hit (`window_start_before_tail`), a limit below the gate is not cut: the end of
+    what is cached there is no window's part, and cutting it would keep the request's KV out of the cache."""
+    held = spans[-1][1] if spans else 0
+    limit = first_inexact(gate, spans, prompt_len)
+    if sparse_start(gate, prompt_len) < limit < dense_tail_start(gate, prompt_len) and limit % gate.window:
+        limit = limit // gate.window * gate.window
+    return None if limit >= held else limit
 
 
 def align_chunk_ends(result, scheduler, *args, **kwargs):
@@ -235,11 +249,7 @@ def limit_cached_prefix(original, cache, req, *args, **kwargs):
                      "caching only its part below the gate", exc_info=True)
             limit = sparse_start(gate, prompt)
         else:
-            held = spans[-1][1] if spans else 0
-            # part of one of its sparse windows holds another prompt's KV: the whole window is left out
-            limit = window_start_before_tail(gate, first_inexact(gate, spans, prompt), prompt)
-            if limit >= held:
-                limit = None   # nothing cached that this request computed otherwise: all of it
+            limit = insert_limit(gate, spans, prompt)
     _INSERT_LIMIT[0] = limit
     _INSERT_DENSE_FROM[0] = dense_from
     try:
