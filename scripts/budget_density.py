@@ -81,7 +81,7 @@ def main(argv=None) -> None:
     p.add_argument("--dense-above", type=float, default=1.0)
     p.add_argument("--chunk", type=int, default=1024)
     p.add_argument("--page-size", type=int, default=32)
-    p.add_argument("--dense-tail", type=int, default=1024)
+    p.add_argument("--dense-tail", type=int, default=CompactConfig.dense_tail)
     p.add_argument("--sink-blocks", type=int, default=2)
     p.add_argument("--recent-blocks", type=int, default=4)
     a = p.parse_args(argv)

@@ -9,12 +9,12 @@ from sglang_compact.selectors.registry import selector_names, selector_spec
 
 def test_defaults_valid():
     c = CompactConfig()
-    assert c.selector == "quest_budget" and c.params.density == pytest.approx(0.25) and c.params.min_tokens == 4096
-    assert c.min_context is None and c.dense_tail == 1024
+    assert c.selector == "quest_budget" and c.params.density == pytest.approx(0.25) and c.params.min_tokens == 2560
+    assert c.min_context is None and c.dense_tail == 256
     assert type(c.params).__name__ == "QuestBudgetParams"
 
 
-@pytest.mark.parametrize("page, pages", [(16, 256), (32, 128), (64, 64), (256, 16)])
+@pytest.mark.parametrize("page, pages", [(16, 160), (32, 80), (64, 40), (256, 10)])
 def test_the_default_floor_is_in_tokens(page, pages):
     """The default's floor means the same candidates at every page size; min_pages raises it, never lowers."""
     c = CompactConfig(block_size=page)

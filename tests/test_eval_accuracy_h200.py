@@ -52,7 +52,7 @@ def test_dry_run_prints_the_plan(acc, tmp_path, capsys):
         assert "--device cpu" not in c
     for c in compact:
         assert "--compact-min-context 512 --compact-sink-blocks 2 --compact-recent-blocks 4" in c
-        assert "--compact-dense-tail 1024" in c
+        assert "--compact-dense-tail 256" in c
         assert "--compact-recall-every 1" in c   # per-prompt mass recall beside the density
     assert sorted(int(c.split("--port ")[1].split()[0]) for c in cmds) == list(range(31000, 31007))
     assert "--compact-selector-params '{\"alpha\": 0.4}'" in out
@@ -97,7 +97,7 @@ def test_dense_tail_per_method(acc, tmp_path, capsys):
     cmds = [line for line in capsys.readouterr().out.splitlines() if " -m sglang_compact" in line]
     assert len(cmds) == 2
     default, off = cmds
-    assert "--compact-dense-tail 1024" in default and "--compact-dense-tail 0" in off
+    assert "--compact-dense-tail 256" in default and "--compact-dense-tail 0" in off
     assert "--compact-selector-params '{\"alpha\": 0.06}'" in off  # not a selector parameter
     with pytest.raises(ValueError, match="dense_tail must be an integer >= 0"):
         acc.main(["--dry-run", "--out", str(tmp_path), "--methods", "compact:flashprefill:dense_tail=-2"])
@@ -278,7 +278,7 @@ def test_rows_from_a_fake_server(acc, tmp_path):
             "smollm2-135m-instruct", "niah_single_number", 2048, 4, "h200")
         assert r["accuracy"] == 50.0
     assert c["params"] == {"alpha": 0.2, "chunk": 256, "page_size": 32, "min_context": 512, "sink_blocks": 2,
-                           "recent_blocks": 4, "dense_tail": 1024}
+                           "recent_blocks": 4, "dense_tail": 256}
     assert c["density"] == 0.25 and c["density_source"] == SERVER_DENSITY_SOURCE
     assert c["recall"] == pytest.approx(0.9) and "recall" not in d
     assert d["density"] is None and d["density_source"] is None and d["params"]["backend"] == "flashinfer"
@@ -299,7 +299,7 @@ def test_cli_params_of_the_presets():
     ns = argparse.Namespace(start="cpu-compact", selector="flashprefill", selector_params=None, alpha=0.06,
                             threshold=None, top_p=None, budget_density=None, chunk=256, page_size=32,
                             min_prefix_len=512, sink_blocks=2, recent_blocks=4)
-    assert M.method_and_params(ns) == ("compact-flashprefill", {"alpha": 0.06, "dense_tail": 1024, "chunk": 256,
+    assert M.method_and_params(ns) == ("compact-flashprefill", {"alpha": 0.06, "dense_tail": 256, "chunk": 256,
                                                                 "page_size": 32, "min_context": 512,
                                                                 "sink_blocks": 2, "recent_blocks": 4})
     ns.dense_tail = 0
@@ -313,7 +313,7 @@ def test_cli_params_of_the_presets():
     assert M.method_and_params(ns)[1] == {"chunk": 256, "page_size": 32, "min_context": 512, "sink_blocks": 2,
                                           "recent_blocks": 4}
     ns.start, ns.selector, ns.alpha = "cpu-compact", "budget", None
-    assert M.method_and_params(ns) == ("compact-budget", {"density": 0.3, "dense_tail": 1024, "chunk": 256,
+    assert M.method_and_params(ns) == ("compact-budget", {"density": 0.3, "dense_tail": 256, "chunk": 256,
                                                           "page_size": 32, "min_context": 512, "sink_blocks": 2,
                                                           "recent_blocks": 4})
     ns.start, ns.hf_method = "hf", "quoka"
@@ -321,7 +321,7 @@ def test_cli_params_of_the_presets():
     assert name == "quoka" and "dtype" not in params and params["runner"] == "hf"
     assert "dense_tail" not in params  # the baseline as published: every chunk sparse
     ns.hf_method = "blocksparse:flashprefill:alpha=0.06"
-    assert M.method_and_params(ns)[1]["dense_tail"] == 1024
+    assert M.method_and_params(ns)[1]["dense_tail"] == 256
     ns.hf_method = "blocksparse:flashprefill:alpha=0.06,dense_tail=0"
     assert M.method_and_params(ns)[1]["dense_tail"] == 0
 

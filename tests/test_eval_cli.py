@@ -72,7 +72,7 @@ def test_fidelity_on_smollm2(model_dir):
     model = F.load_model(str(model_dir))
     layers = F.capture_qkv(model, s.input_ids)
     assert len(layers) == 30 and layers[0].q.shape[1:] == (9, 64) and layers[0].k.shape[1:] == (3, 64)
-    # dense_tail=0: the default dense tail (1024 tokens) would cover this whole prompt
+    # dense_tail=0: every window but the prompt's last, partial one may go sparse
     r = F.simulate(layers, ["compact:dense:dense_tail=0", "compact:flashprefill:alpha=0.3,dense_tail=0",
                             "blocksparse:flashprefill:alpha=0.3,dense_tail=0"],
                    chunk=256, page_size=32, min_context=256, layer_ids=[0, 15])

@@ -51,7 +51,7 @@ def test_capture_reproduces_the_models_attention(tiny):
 def test_simulate_methods(tiny):
     model, ids = tiny
     layers = F.capture_qkv(model, ids)
-    # dense_tail=0: the 300-token prompt is shorter than the default dense tail (1024 tokens)
+    # dense_tail=0: every window but the prompt's last, partial one may go sparse
     methods = ["dense", "compact:dense:dense_tail=0", "compact:budget:density=0.3,dense_tail=0",
                "compact:budget:density=1.0,dense_tail=0", "compact:flashprefill:alpha=0.5,dense_tail=0",
                "blocksparse:flashprefill:alpha=0.5,dense_tail=0", "compact:oracle:top_p=0.9,dense_tail=0",
@@ -137,8 +137,8 @@ def test_offline_density_and_parse(tiny):
     assert 0.3 <= d < 1
     assert F.offline_density(model, ids[:60], "compact:budget:density=0.3", chunk=CHUNK, page_size=PAGE,
                              min_context=CHUNK) is None  # one chunk, no context
-    # the default dense tail (1024 tokens) covers the whole 300-token prompt: no q-block goes sparse
-    assert F.offline_density(model, ids, "compact:budget:density=0.3", chunk=CHUNK, page_size=PAGE,
+    # a dense tail of 1024 tokens covers the whole 300-token prompt: no q-block goes sparse
+    assert F.offline_density(model, ids, "compact:budget:density=0.3,dense_tail=1024", chunk=CHUNK, page_size=PAGE,
                              min_context=CHUNK) is None
     m = F.parse_method("compact:flashprefill:alpha=0.06")
     assert m.kind == "compact" and dict(m.params) == {"alpha": 0.06}

@@ -30,7 +30,7 @@ PAGE, CHUNK = 16, 128       # the union window is the chunk: 128 tokens
 def test_reuse_serves_every_token_exact_marks_the_dense_tail():
     def gate(policy):
         return Gate(CompactConfig(block_size=64, prefix_cache=policy), GateDecision(4096, "flag", ""), 1024)
-    assert dense_tail_start(gate("exact"), 20000) == 18 * 1024       # windows 4..17 sparse, then the dense tail
+    assert dense_tail_start(gate("exact"), 20000) == 19 * 1024       # windows 4..18 sparse, then the dense tail (256)
     assert dense_tail_start(gate("reuse"), 20000) is None            # every cached token serves
     with pytest.raises(ValueError, match="prefix_cache"):
         CompactConfig(prefix_cache="all")
@@ -44,8 +44,8 @@ def test_the_next_turn_of_a_conversation_reuses_the_last_turn_under_reuse(model_
     first = [rng.randrange(100, 40000) for _ in range(1500)]
     new_message = [rng.randrange(100, 40000) for _ in range(60)]
     greedy = {"temperature": 0, "ignore_eos": True}
-    sparse = ["--attention-backend", "compact", "--compact-min-context", "256",
-              "--compact-selector-params", '{"min_tokens": 320}']      # the default dense tail, 1024 tokens
+    sparse = ["--attention-backend", "compact", "--compact-min-context", "256", "--compact-dense-tail", "1024",
+              "--compact-selector-params", '{"min_tokens": 320}']      # a tail of 8 windows: the numbers below
     cached = {}
     for policy in ("exact", "reuse"):
         with SGLangServer(model_dir, module="sglang_compact.launch_server", page_size=PAGE,
@@ -76,7 +76,7 @@ def test_exact_serves_the_dense_tail_to_prompts_that_read_every_page_there(model
     first = [rng.randrange(100, 40000) for _ in range(1500)]       # dense tail from (1500 - 1024) // 128 = 3 windows
     greedy = {"temperature": 0, "ignore_eos": True}
     sparse = ["--attention-backend", "compact", "--compact-min-context", "256", "--enable-metrics",
-              "--compact-selector-params", '{"min_tokens": 320}']
+              "--compact-dense-tail", "1024", "--compact-selector-params", '{"min_tokens": 320}']
     with SGLangServer(model_dir, module="sglang_compact.launch_server", page_size=PAGE,
                       chunked_prefill_size=CHUNK, extra_args=sparse) as srv:
         def run(ids, n=4):

@@ -7,7 +7,7 @@ from typing import Any
 
 START_PRESETS = ("cpu-dense", "cpu-compact", "cpu-compact-dense", "hf")
 # the selector parameters a row records even when the method leaves them at their defaults: the ones a
-# command line usually sets, and quest_budget's page floor (on by default: 4096 tokens)
+# command line usually sets, and quest_budget's page floor (on by default: 2560 tokens)
 RECORDED_DEFAULTS = {"flashprefill": ("alpha",), "xattention": ("threshold",), "oracle": ("top_p",),
                      "budget": ("density",), "mass_budget": ("density",), "quest_budget": ("density", "min_tokens")}
 

@@ -26,11 +26,14 @@ bounds from the pool's keys; session 21 served them from the summaries through t
 250 predictions). The cost gate prices its search with the key-bound kernel's throughput
 (`CostModel.bounds_search_flops`, about half the mean-key search's on the H200).
 
-The defaults (density 0.25, at least 4096 tokens of pages per row) are the default selector's: a share alone
+The defaults (density 0.25, at least 2560 tokens of pages per row) are the default selector's: a share alone
 lost the story needles at 16K (0.33: -3.3; 0.42: -3.7), where the short-context passes keep a few dozen pages;
 a floor of 128 pages (page 32) brought 16K to -0.7 [-3.3, +1.3] and 32K to +0.0 [-2.0, +2.0] on 250 prompt
-pairs, reading 0.396 of a 32K prompt's pages (docs/results/accuracy_notes.md, sessions 24-25). The floor is in
-tokens so that it means the same candidates at every page size.
+pairs, but read 0.436 of a 32K prompt's pages per pass (sessions 24-25). A floor of 2560 tokens (80 pages at
+page 32), with the backend's 256-token dense tail, reads 0.345 per pass and 0.316 page-weighted at 32K and holds
+it, +0.2 [-2.3, +2.5], and 16K, +0.5 [-2.2, +3.3], on 300 prompt pairs each over two seeds; at chunk 8192 it
+reads 0.25 per pass, -0.5 (32K) and -1.0 (16K) on one seed (docs/results/accuracy_notes.md, session 35). The
+floor is in tokens so that it means the same candidates at every page size.
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ from sglang_compact.selectors.registry import param, register_selector
 @dataclass(frozen=True)
 class QuestBudgetParams(BudgetParams):
     density: float = param(0.25, lo=0.0, hi=1.0, help="fraction of each row's context pages kept")
-    min_tokens: int = param(4096, lo=0, hi=1 << 30, help=MIN_TOKENS_HELP)
+    min_tokens: int = param(2560, lo=0, hi=1 << 30, help=MIN_TOKENS_HELP)
     query_stride: int = param(0, lo=0, hi=16, power_of_two=True, help=QUERY_STRIDE_HELP)
 
 
