@@ -102,7 +102,7 @@ def first_inexact(gate, spans, prompt_len: int) -> int:
     sparse windows, and serve a prompt for which they are sparse too (before its own dense tail); its tokens
     from dense_from on were computed reading every page, and serve a prompt that reads every page there (in its
     dense tail or output). Every page read is causal, so those serve whatever follows; a sparse window serves
-    only whole (`align_cache_hit`, `limit_cached_prefix`)."""
+    only whole (`window_start_before_tail`, `insert_limit`)."""
     end = spans[-1][1] if spans else 0
     tail = dense_tail_start(gate, prompt_len)
     if tail is None:

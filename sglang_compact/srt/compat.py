@@ -190,7 +190,7 @@ def node_path_spans(node) -> list[tuple[int, int, int | None]]:
         node = node.parent
     spans, start = [], 0
     for n in reversed(path):
-        spans.append((start, start + len(n.key), getattr(n, NODE_DENSE_FROM, None)))
+        spans.append((start, start + len(n.key), node_dense_from(n)))
         start += len(n.key)
     return spans
 
