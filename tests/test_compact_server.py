@@ -196,6 +196,12 @@ BAD_FLAGS = [
                                       "attention backend 'compact': SGLang's hierarchical cache writes pages back"),
     (["--hicache-storage-backend", "file"], "--hicache-storage-backend: not supported with attention backend"),
     (["--enable-lmcache"], "--enable-lmcache: not supported with attention backend 'compact'"),
+    (["--enable-flexkv"], "--enable-flexkv: not supported with attention backend 'compact': FlexKV loads pages"),
+    # a radix tree the exact prefix cache's hooks do not wrap
+    (["--radix-cache-backend", "flexkv"], "--radix-cache-backend flexkv: not supported with attention backend "
+                                          "'compact': the compact backend keeps its prefix cache exact"),
+    (["--enable-streaming-session"], "--enable-streaming-session: not supported with attention backend 'compact': "
+                                     "a streaming session serves all of its KV"),
     (["--disaggregation-mode", "prefill"], "--disaggregation-mode prefill: not supported with attention backend "
                                            "'compact': SGLang 0.5.17 transfers KV"),
     (["--enable-hisparse"], "--enable-hisparse: not supported with attention backend 'compact'"),
@@ -237,14 +243,17 @@ def assert_one_line_reason(code, stderr, reason):
     assert last.startswith("sglang_compact.launch_server: error: ") and reason in last, last
 
 
-@pytest.fixture(scope="module")
-def bad_flags_results(model_dir):
-    cases = [bad_flags_argv(model_dir, flags) for flags, _ in BAD_FLAGS]
-    r = subprocess.run([sys.executable, "-c", MAIN_ON_EACH, json.dumps(cases)], capture_output=True, text=True,
-                       timeout=600, env=dict(os.environ), cwd=REPO_ROOT)
+def run_main_on_each(argvs, env=None):
+    r = subprocess.run([sys.executable, "-c", MAIN_ON_EACH, json.dumps(argvs)], capture_output=True, text=True,
+                       timeout=600, env={**os.environ, **(env or {})}, cwd=REPO_ROOT)
     line = next((x for x in r.stdout.splitlines() if x.startswith("RESULTS ")), None)
     assert line is not None, (r.stdout[-2000:], r.stderr[-3000:])
     return json.loads(line[len("RESULTS "):])
+
+
+@pytest.fixture(scope="module")
+def bad_flags_results(model_dir):
+    return run_main_on_each([bad_flags_argv(model_dir, flags) for flags, _ in BAD_FLAGS])
 
 
 @pytest.mark.parametrize("case", range(len(BAD_FLAGS)), ids=[" ".join(f) for f, _ in BAD_FLAGS])
@@ -252,6 +261,16 @@ def test_bad_flags_exit_with_one_line_reason(bad_flags_results, case):
     """`launch_server.main` (one process for every case: `MAIN_ON_EACH`)."""
     res = bad_flags_results[case]
     assert_one_line_reason(res["code"], res["stderr"], BAD_FLAGS[case][1])
+
+
+def test_a_radix_tree_switched_on_by_environment_is_refused_unless_nothing_is_cached(model_dir):
+    """SGLang's environment switch for its unified radix tree replaces the RadixCache the exact prefix cache's
+    hooks wrap: refused, with the switch named; with `--disable-radix-cache` nothing is cached, so it serves."""
+    on, off = run_main_on_each([bad_flags_argv(model_dir, []), bad_flags_argv(model_dir, ["--disable-radix-cache"])],
+                               env={"SGLANG_ENABLE_UNIFIED_RADIX_TREE": "1"})
+    assert_one_line_reason(on["code"], on["stderr"], "SGLANG_ENABLE_UNIFIED_RADIX_TREE=1: not supported with "
+                                                     "attention backend 'compact'")
+    assert off["code"] == "validated: would start a server", off["stderr"][-3000:]
 
 
 @pytest.mark.parametrize("flags, reason", [next(c for c in BAD_FLAGS if c[1].startswith(start))

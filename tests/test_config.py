@@ -203,7 +203,8 @@ def test_per_layer_selector_rows_need_rows_planned_with_bounds():
 
 def test_features_that_write_kv_outside_the_backend_are_refused():
     """`srt.model_checks.check_server_features`, run at launch and at server start: SGLang's defaults pass; each
-    feature that puts KV into the pool outside the backend is refused, naming its flag."""
+    feature that puts KV into the pool outside the backend, or replaces the radix tree the exact prefix cache
+    wraps, is refused, naming its flag."""
     from types import SimpleNamespace
 
     from sglang_compact.srt.model_checks import UnsupportedModelError, check_server_features
@@ -211,9 +212,14 @@ def test_features_that_write_kv_outside_the_backend_are_refused():
                  disaggregation_mode="null", enable_hisparse=False, attn_cp_size=1, enable_prefill_cp=False)
     check_server_features(SimpleNamespace(**stock))
     check_server_features(SimpleNamespace(**{**stock, "attn_cp_size": None}))   # before SGLang resolves it
+    # another radix tree caches nothing with the radix cache off
+    check_server_features(SimpleNamespace(**{**stock, "radix_cache_backend": "flexkv", "disable_radix_cache": True}))
     for change, flag in [(dict(enable_hierarchical_cache=True), "--enable-hierarchical-cache"),
                          (dict(hicache_storage_backend="file"), "--hicache-storage-backend"),
                          (dict(enable_lmcache=True), "--enable-lmcache"),
+                         (dict(enable_flexkv=True), "--enable-flexkv"),
+                         (dict(radix_cache_backend="flexkv"), "--radix-cache-backend flexkv"),
+                         (dict(enable_streaming_session=True), "--enable-streaming-session"),
                          (dict(disaggregation_mode="decode"), "--disaggregation-mode decode"),
                          (dict(enable_hisparse=True), "--enable-hisparse"),
                          (dict(attn_cp_size=4), "--attn-cp-size 4"),

@@ -24,7 +24,9 @@ it landed in (`W` the window, `[lo, hi)` a prompt's sparse windows from the gate
   sparse window's first tokens depends on its later tokens, which join the union, so a cached prompt that
   shares only the window's first tokens holds other KV for them), only up to there: SGLang would otherwise
   attach the request's later KV to the cached copies, and swap those in for the request's own when it caches
-  a chunk.
+  a chunk. The dense tail the inserts mark is the one the request's prefill had (`compat.note_prefill_len`, at
+  its admission): a retracted request prefills its prompt and its output so far again, so its tail starts
+  later than its prompt's own.
 
 So every cached token was computed the way each request that reads it computes it cold. A repeated prompt,
 parallel samples of one and a follow-up whose dense tail starts at the same window reuse it all. The cost is a
@@ -40,8 +42,9 @@ request's dense tail, and a later prompt may read KV its cold run would have com
 * the next chunk of a prompt: when the KV pool has room for less than the chunk budget, SGLang cuts the
   chunk to that room; it is cut back to the last window end (`align_continuing_chunk`).
 
-One split is left: a pool with room for less than the rest of the current window (logged). Radix caches
-other than SGLang's `RadixCache` (SWA, ...; the hierarchical cache is refused at start) are not limited.
+One split is left: a pool with room for less than the rest of the current window (logged). Radix trees other
+than SGLang's `RadixCache` are refused at start (`model_checks.check_server_features`). `tests/cache_model.py`
+model-checks these rules on SGLang's own radix cache, requests and pools.
 """
 
 from __future__ import annotations
@@ -151,6 +154,7 @@ def align_cache_hit(result, req, tree_cache=None, *args, **kwargs):
     gate = ACTIVE_GATE
     if gate is None or tree_cache is None:
         return None
+    compat.note_prefill_len(req)
     matched = compat.request_matched_len(req)
     if gate.decision.never or matched == 0:
         return None
@@ -210,8 +214,8 @@ def align_continuing_chunk(original, adder, req, *args, **kwargs):
     try:
         room = compat.continuing_chunk_room(adder) if gate is not None else None
         if room is not None:
-            keep = continuing_chunk_tokens(compat.request_matched_len(req), compat.request_fill_len(req), room,
-                                           gate.window, gate.sparse_range(compat.request_origin_len(req)))
+            keep = continuing_chunk_tokens(compat.request_matched_len(req), compat.request_prompt_len(req), room,
+                                           gate.window, gate.sparse_range(compat.request_prefill_len(req)))
     except Exception:  # an SGLang whose scheduler we do not understand: SGLang's own chunk
         log_once(logger, logging.ERROR, "sglang_compact: could not read a continuing chunk's room; it keeps "
                  "SGLang's length", exc_info=True)
@@ -238,7 +242,7 @@ def limit_cached_prefix(original, cache, req, *args, **kwargs):
     or part of a sparse window another prompt completed with other tokens), only up to there
     (`cap_cache_key` cuts the key while this runs); the rest stays the request's own and is freed with it."""
     gate = ACTIVE_GATE
-    prompt = compat.request_origin_len(req)
+    prompt = compat.request_prefill_len(req)
     dense_from = dense_tail_start(gate, prompt)
     limit = None
     if dense_from is not None:

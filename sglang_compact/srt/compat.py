@@ -56,6 +56,8 @@ CACHE_NODE_INSERT = "sglang.srt.mem_cache.radix_cache.RadixCache._insert_helper"
 #: on a radix tree node: the position (tokens from the prompt's start) from which the request that inserted the
 #: node computed its tokens' KV reading every page (its dense tail and output); None: not recorded
 NODE_DENSE_FROM = "compact_dense_from"
+#: on a request: the tokens its prefill covers, as at its last admission (`note_prefill_len`)
+REQUEST_PREFILL_LEN = "compact_prefill_len"
 #: the scheduler's prefill budget of one pass (built per pass), and its admission of the continuing chunk of a
 #: request whose prompt did not fit the previous pass
 PREFILL_BUDGET_INIT = "sglang.srt.managers.schedule_policy.PrefillAdder.__init__"
@@ -128,11 +130,6 @@ def request_matched_len(req) -> int:
     return len(req.prefix_indices)
 
 
-def request_fill_len(req) -> int:
-    """The tokens a request's prefill covers in all (its prompt, and the output of a retracted request)."""
-    return len(req.full_untruncated_fill_ids)
-
-
 def prefill_budget_args(args: tuple, kwargs: dict) -> tuple[int | None, int]:
     """(chunk budget, decode tokens mixed into the pass) that `PrefillAdder.__init__` was called with."""
     bound = _prefill_adder_signature().bind(*args, **kwargs)
@@ -167,9 +164,29 @@ def continuing_chunk_room(adder) -> int | None:
     return room if room > 0 else None
 
 
-def request_origin_len(req) -> int:
-    """The request's own prompt tokens (without the output of a retracted request)."""
-    return len(req.origin_input_ids)
+#: SGLang environment switches that build a radix tree other than `RadixCache`, whose methods the cache hooks wrap
+OTHER_RADIX_TREE_ENVS = ("SGLANG_EXPERIMENTAL_CPP_RADIX_TREE", "SGLANG_ENABLE_UNIFIED_RADIX_TREE")
+
+
+def other_radix_tree_env() -> str | None:
+    """The first switch of `OTHER_RADIX_TREE_ENVS` that is on in this process, read as SGLang's `EnvBool` reads it
+    (without importing SGLang, which the launcher checks before)."""
+    on = ("true", "1", "yes", "y")
+    return next((name for name in OTHER_RADIX_TREE_ENVS if os.environ.get(name, "").lower() in on), None)
+
+
+def note_prefill_len(req) -> None:
+    """Keep what the request's prefill covers at its admission (`request_prompt_len`): its cache inserts mark the
+    dense tail that prefill had, after its output has grown too."""
+    setattr(req, REQUEST_PREFILL_LEN, request_prompt_len(req))
+
+
+def request_prefill_len(req) -> int:
+    """The tokens the request's last prefill covered (its prompt, plus the output a retracted request had), the
+    prompt length the backend planned its dense tail with (`note_prefill_len`; its own prompt where none was
+    noted)."""
+    noted = getattr(req, REQUEST_PREFILL_LEN, None)
+    return len(req.origin_input_ids) if noted is None else noted
 
 
 def cached_prefix_spans(cache, req) -> list[tuple[int, int, int | None]]:
@@ -402,7 +419,7 @@ def batch_requests(batch) -> list:
 
 
 def request_prompt_len(req) -> int:
-    """Tokens the request prefills in all (prompt, plus the output of a retracted request)."""
+    """Tokens the request prefills in all now (prompt, plus the output of a retracted request)."""
     return len(req.full_untruncated_fill_ids)
 
 

@@ -6,6 +6,7 @@ import torch
 
 from sglang_compact.config import CompactConfig
 from sglang_compact.kernels import flashprefill as flashprefill_kernel
+from sglang_compact.srt import compat
 from sglang_compact.srt.compat import AttentionLayerInfo, RunnerView
 
 FLASHINFER_HEAD_DIMS = (64, 128, 256)
@@ -56,6 +57,9 @@ def _kv_outside_backend(sa) -> list[tuple[str, str]]:
                    f"SGLang's hierarchical cache writes pages back into the device pool {_NO_SUMMARIES}"))
     if getattr(sa, "enable_lmcache", False):
         on.append(("--enable-lmcache", f"LMCache writes pages back into the device pool {_NO_SUMMARIES}"))
+    if getattr(sa, "enable_flexkv", False):
+        on.append(("--enable-flexkv", f"FlexKV loads pages from its host tiers back into the device pool "
+                   f"{_NO_SUMMARIES}"))
     mode = getattr(sa, "disaggregation_mode", "null") or "null"
     if mode != "null":
         on.append((f"--disaggregation-mode {mode}", "SGLang 0.5.17 transfers KV between prefill and decode servers "
@@ -71,15 +75,45 @@ def _kv_outside_backend(sa) -> list[tuple[str, str]]:
     return on
 
 
+def _other_radix_tree(sa) -> list[tuple[str, str]]:
+    """(flag or switch, why) where SGLang would build a radix tree other than its `RadixCache`: the hooks that keep
+    the prefix cache exact (`srt/alignment.py`) wrap that class's match and insert, so with another tree a
+    request's answer would depend on what is cached, with nothing to say so."""
+    why = ("the compact backend keeps its prefix cache exact through SGLang's default RadixCache, and this {} "
+           "replaces it (answers would depend on what is cached, and its pages on where the tree loads them from)")
+    on = []
+    if getattr(sa, "disable_radix_cache", False):
+        return on                                   # nothing is cached
+    backend = getattr(sa, "radix_cache_backend", None)
+    if backend:
+        on.append((f"--radix-cache-backend {backend}", why.format("registered radix cache backend")))
+    env = compat.other_radix_tree_env()
+    if env is not None:
+        on.append((f"{env}=1", why.format("environment switch")))
+    return on
+
+
+def _streaming_sessions(sa) -> list[tuple[str, str]]:
+    """(flag, why) where SGLang keeps streaming sessions: a session's KV stays in a slot outside the radix tree and
+    all of it serves the session's next turn, whose prefill then starts inside a window (a sparse window computed
+    over two turns), with the earlier turns' dense tails and answers read as they were computed."""
+    if not getattr(sa, "enable_streaming_session", False):
+        return []
+    return [("--enable-streaming-session", "a streaming session serves all of its KV to its next turn from a slot "
+             "outside the radix tree, so the turn would start inside a sparse window and read KV its cold run "
+             "computes otherwise (sessions without streaming work: their turns go through the radix cache)")]
+
+
 def check_server_features(server_args) -> None:
     """Refuse SGLang features that put KV into the device pool outside the attention backend: the backend writes
     each page's summaries with its KV, in a head-major pool, and a page written by anything else would be
-    ranked by stale summaries or read in the wrong layout, wrong answers with nothing to say so."""
-    on = _kv_outside_backend(server_args)
+    ranked by stale summaries or read in the wrong layout, wrong answers with nothing to say so. Refuse radix
+    trees other than SGLang's `RadixCache` and streaming sessions too (`_other_radix_tree`, `_streaming_sessions`)."""
+    on = _kv_outside_backend(server_args) + _other_radix_tree(server_args) + _streaming_sessions(server_args)
     if on:
         flag, why = on[0]
-        raise UnsupportedModelError(f"{flag}: not supported with attention backend 'compact': {why}; drop the "
-                                    "flag, or use another attention backend")
+        raise UnsupportedModelError(f"{flag}: not supported with attention backend 'compact': {why}; drop it, or "
+                                    "use another attention backend")
 
 
 def check_runner(view: RunnerView) -> None:
