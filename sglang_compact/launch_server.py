@@ -65,7 +65,10 @@ def prepare(argv: Sequence[str]):
     if names_compact(sglang_argv):
         os.environ["SGLANG_USE_HND_KVCACHE"] = "1"  # before SGLang reads it
     compat.load_plugins()  # registers the `compact` backend and CLI choice (our entry point)
-    server_args = compat.prepare_server_args(sglang_argv)
+    try:
+        server_args = compat.prepare_server_args(sglang_argv)
+    except ValueError as e:  # SGLang's own checks of its flags (a combination it refuses): its reason, one line
+        raise LaunchError(" ".join(str(e).split())) from None
     prefill, decode = compat.attention_backends(server_args)
     if BACKEND_NAME not in (prefill, decode):
         defaults, _ = split_args([])

@@ -191,6 +191,9 @@ BAD_FLAGS = [
     (["--compact-selector", "budget", "--compact-selector-params", '{"layer_density": "2-6"}'],
      "layer_density: must be items 'layers:value'"),
     (["--attention-backend", "torch_native", "--compact-alpha", "0.1"], "--compact-* flags need --attention-backend compact"),
+    # SGLang's own refusal of a combination: its reason, on one line
+    (["--enable-deterministic-inference"], "attention backends are supported for deterministic inference, but you "
+                                           "explicitly specified 'compact'"),
     # SGLang features that put KV into the pool outside the backend (pages without their summaries)
     (["--enable-hierarchical-cache"], "--enable-hierarchical-cache / --hicache-storage-backend: not supported with "
                                       "attention backend 'compact': SGLang's hierarchical cache writes pages back"),
