@@ -20,8 +20,10 @@ checks, after every step of a schedule:
   allocator holds every page again.
 
 The schedules mix fresh prompts, repeats, parallel samples, prefixes with other suffixes and next turns (a prompt
-plus an earlier answer plus new tokens), chunked prefills interleaved with other admissions, evictions, and
-retractions (a decoding request loses its KV and prefills its prompt and output again).
+plus an earlier answer plus new tokens), chunked prefills interleaved with other admissions, continuing chunks cut
+to a short KV pool's room (`alignment.continuing_chunk_len`; with room for less than the rest of a sparse window,
+the window is computed over two passes: labelled as the request's own, which no other request may read),
+evictions, and retractions (a decoding request loses its KV and prefills its prompt and output again).
 """
 
 from __future__ import annotations
@@ -75,7 +77,8 @@ class Model:
         self.label: dict[int, object] = {}      # KV slot -> how its KV was computed
         self.violations: list[str] = []
         self.done: list[Req] = []
-        self.counts = {"admitted": 0, "served": 0, "chunks": 0, "retracted": 0, "evicted": 0, "finished": 0}
+        self.counts = {"admitted": 0, "served": 0, "chunks": 0, "split": 0, "retracted": 0, "evicted": 0,
+                       "finished": 0}
         self._rid = 0
 
     # --- what a request's cold run computes --------------------------------------------------------------
@@ -85,8 +88,10 @@ class Model:
         W = self.window
         if pos < lo * W or pos >= hi * W:
             return "a"
-        tokens = req.origin_input_ids + req.output_ids
         w = pos // W
+        if w in req.compact_model_split:     # computed over two passes: this request's own, as no cold run has it
+            return ("split", req.rid, w)
+        tokens = req.origin_input_ids + req.output_ids
         return ("s", tuple(tokens[w * W:(w + 1) * W]))
 
     def check_row(self, req: Req, upto: int, what: str) -> None:
@@ -145,6 +150,8 @@ class Model:
             self.violations.append(f"admit: {req.rid} is served {kept} tokens, not whole pages of {self.page}")
         if self.inside_sparse_window(req, kept):
             self.violations.append(f"admit: {req.rid} is served {kept} tokens, inside a sparse window")
+        req.compact_model_split = set()
+        req.compact_model_first_chunk = True
         self.tree.inc_lock_ref(req.last_node)
         self.req_pool.alloc([req])
         if kept:
@@ -155,11 +162,20 @@ class Model:
     def prefill_chunk(self, req: Req) -> bool:
         """One pass of the request's prefill; True when its prefill is done."""
         start, fill = req.compact_model_kv, req.compact_model_fill
-        n = fill - start
-        if n > self.chunk:
-            n = self.chunk // self.window * self.window     # the scheduler's chunk, in whole windows
+        if req.compact_model_first_chunk:    # `add_one_req`: the budget, in whole windows (truncation_align_size)
+            n = min(fill - start, self.chunk // self.window * self.window)
+            req.compact_model_first_chunk = False
+        else:                                # `add_chunked_req`: the budget, or the KV pool's room when less
+            room = self.chunk if self.rng.random() < 0.7 else self.rng.randrange(1, self.chunk + 1)
+            keep = alignment.continuing_chunk_len(self.gate, req, room)
+            n = keep if keep else min(fill - start, room)
+            if keep == 0:
+                req.compact_model_split.add(start // self.window)
+                self.counts["split"] += 1
         end = start + n
-        if self.inside_sparse_window(req, start) or (end < fill and self.inside_sparse_window(req, end)):
+        if self.inside_sparse_window(req, start) and start // self.window not in req.compact_model_split or \
+                (end < fill and self.inside_sparse_window(req, end) and end // self.window not in
+                 req.compact_model_split):
             self.violations.append(f"chunk: {req.rid} computes [{start}, {end}), splitting a sparse window")
         self.write_slots(req, start, end, lambda pos: self.cold_label(req, pos))
         req.compact_model_kv = end

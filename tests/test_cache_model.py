@@ -25,8 +25,9 @@ def run_python(code: str) -> str:
 
 def test_random_schedules_serve_each_request_what_its_cold_run_computes():
     """80 schedules (page 16 or 32, windows of 2 or 4 pages, the gate from 0 to 197 tokens or never, dense tails
-    of 0 to 2 windows, chunks of 1 to 4 windows; one in five under `reuse`): no violation of the model's checks
-    (`tests/cache_model.py`), and the schedules did what they are for."""
+    of 0 to 2 windows, chunks of 1 to 4 windows, a continuing chunk cut to a short KV pool's room three times in
+    ten; one in five under `reuse`): no violation of the model's checks (`tests/cache_model.py`), and the
+    schedules did what they are for."""
     r = subprocess.run([sys.executable, "tests/cache_model.py", *map(str, SEEDS)], cwd=REPO_ROOT, env=ENV,
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-5000:]
@@ -34,8 +35,9 @@ def test_random_schedules_serve_each_request_what_its_cold_run_computes():
     assert [row["seed"] for row in rows] == list(SEEDS)
     bad = [(row["seed"], row["violations"]) for row in rows if row["violation_count"]]
     assert not bad, bad
-    total = {k: sum(row[k] for row in rows) for k in ("admitted", "served", "chunks", "retracted", "evicted")}
-    assert total["served"] > 100_000 and total["chunks"] > total["admitted"], total
+    total = {k: sum(row[k] for row in rows) for k in ("admitted", "served", "chunks", "split", "retracted",
+                                                     "evicted")}
+    assert total["served"] > 100_000 and total["chunks"] > total["admitted"] and total["split"] > 50, total
     assert total["retracted"] > 100 and total["evicted"] > 10_000, total
     assert {row["prefix_cache"] for row in rows} == {"exact", "reuse"}
     assert any(row["min_context"] == 0 for row in rows) and any(row["min_context"] > 1 << 40 for row in rows)
@@ -60,7 +62,10 @@ BREAK_AND_RUN = """
     "alignment.first_inexact = lambda gate, spans, prompt_len: spans[-1][1] if spans else 0",
     # a retracted request's cache inserts marked with its prompt's dense tail, not its prefill's
     "compat.note_prefill_len = lambda req: None",
-], ids=["no insert limit", "hit not cut to a window", "every hit served", "retraction's prefill not noted"])
+    # a window a request computed over two passes (the KV pool's room was short) enters the cache
+    "compat.request_split_from = lambda req: None",
+], ids=["no insert limit", "hit not cut to a window", "every hit served", "retraction's prefill not noted",
+        "split window cached"])
 def test_the_model_catches_a_broken_rule(patch):
     """Each rule the hooks keep, broken on purpose: the model check finds violations in some of 20 schedules."""
     broken = int(run_python(BREAK_AND_RUN.format(patch=patch)).strip().splitlines()[-1])

@@ -42,7 +42,8 @@ request's dense tail, and a later prompt may read KV its cold run would have com
 * the next chunk of a prompt: when the KV pool has room for less than the chunk budget, SGLang cuts the
   chunk to that room; it is cut back to the last window end (`align_continuing_chunk`).
 
-One split is left: a pool with room for less than the rest of the current window (logged). Radix trees other
+One split is left: a pool with room for less than the rest of the current window. It is logged, and the
+request's KV from that window on stays out of the radix cache. Radix trees other
 than SGLang's `RadixCache` are refused at start (`model_checks.check_server_features`). `tests/cache_model.py`
 model-checks these rules on SGLang's own radix cache, requests and pools.
 """
@@ -204,27 +205,38 @@ def continuing_chunk_tokens(start: int, fill_len: int, room: int, window: int, s
     return max(end // window * window - start, 0)
 
 
+def continuing_chunk_len(gate, req, room: int) -> int | None:
+    """`continuing_chunk_tokens` of a request's next chunk, from where its prefill stands. Where the room is less
+    than the rest of the current sparse window (0), SGLang must still admit the chunk, so that window is computed
+    over two passes: the request is noted (`compat.note_split_window`), its KV from that window on is kept out
+    of the radix cache (`limit_cached_prefix`), and the split is logged."""
+    start = compat.request_matched_len(req)
+    keep = continuing_chunk_tokens(start, compat.request_prompt_len(req), room, gate.window,
+                                   gate.sparse_range(compat.request_prefill_len(req)))
+    if keep == 0:
+        compat.note_split_window(req, start // gate.window * gate.window)
+        log_once(logger, logging.WARNING, "sglang_compact: the KV pool had room for %d tokens of a request's next "
+                 "chunk, less than the rest of its %d-token union window: that window is computed over two passes, "
+                 "so this prompt's output can differ from a cold run's, and its KV from there on is kept out of the "
+                 "prefix cache. More KV pool room (memory, --mem-fraction-static, fewer running requests) avoids "
+                 "it.", room, gate.window)
+    return keep
+
+
 def align_continuing_chunk(original, adder, req, *args, **kwargs):
     """AROUND hook of the admission of a request's next chunk (`PrefillAdder.add_chunked_req`): when the KV pool
     has room for less than the chunk budget, SGLang cuts the chunk to that room, mid-window; it is cut back to the
-    last window end instead (`continuing_chunk_tokens`), so that each sparse window's queries stay in one pass.
-    With room for less than the rest of the current window the split stays (SGLang must admit the request), and
-    is logged."""
+    last window end instead (`continuing_chunk_len`), so that each sparse window's queries stay in one pass.
+    With room for less than the rest of the current window the split stays (SGLang must admit the request)."""
     gate, keep = ACTIVE_GATE, None
     try:
         room = compat.continuing_chunk_room(adder) if gate is not None else None
         if room is not None:
-            keep = continuing_chunk_tokens(compat.request_matched_len(req), compat.request_prompt_len(req), room,
-                                           gate.window, gate.sparse_range(compat.request_prefill_len(req)))
+            keep = continuing_chunk_len(gate, req, room)
     except Exception:  # an SGLang whose scheduler we do not understand: SGLang's own chunk
         log_once(logger, logging.ERROR, "sglang_compact: could not read a continuing chunk's room; it keeps "
                  "SGLang's length", exc_info=True)
     if not keep:
-        if keep == 0:
-            log_once(logger, logging.WARNING, "sglang_compact: the KV pool had room for %d tokens of a request's "
-                     "next chunk, less than the rest of its %d-token union window: that window is computed over two "
-                     "passes, so this prompt's output can differ from a cold run's. More KV pool room (memory, "
-                     "--mem-fraction-static, fewer running requests) avoids it.", room, gate.window)
         return original(adder, req, *args, **kwargs)
     budget = compat.chunk_budget(adder)
     compat.set_chunk_budget(adder, keep)
@@ -254,6 +266,9 @@ def limit_cached_prefix(original, cache, req, *args, **kwargs):
             limit = sparse_start(gate, prompt)
         else:
             limit = insert_limit(gate, spans, prompt)
+        split = compat.request_split_from(req)        # its KV from a window computed over two passes on: its own
+        if split is not None and (limit is None or split < limit):
+            limit = split
     _INSERT_LIMIT[0] = limit
     _INSERT_DENSE_FROM[0] = dense_from
     try:

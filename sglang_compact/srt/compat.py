@@ -56,8 +56,10 @@ CACHE_NODE_INSERT = "sglang.srt.mem_cache.radix_cache.RadixCache._insert_helper"
 #: on a radix tree node: the position (tokens from the prompt's start) from which the request that inserted the
 #: node computed its tokens' KV reading every page (its dense tail and output); None: not recorded
 NODE_DENSE_FROM = "compact_dense_from"
-#: on a request: the tokens its prefill covers, as at its last admission (`note_prefill_len`)
+#: on a request: the tokens its prefill covers, as at its last admission (`note_prefill_len`), and where the first
+#: window its prefill computed over two passes starts (`note_split_window`)
 REQUEST_PREFILL_LEN = "compact_prefill_len"
+REQUEST_SPLIT_FROM = "compact_split_from"
 #: the scheduler's prefill budget of one pass (built per pass), and its admission of the continuing chunk of a
 #: request whose prompt did not fit the previous pass
 PREFILL_BUDGET_INIT = "sglang.srt.managers.schedule_policy.PrefillAdder.__init__"
@@ -177,8 +179,20 @@ def other_radix_tree_env() -> str | None:
 
 def note_prefill_len(req) -> None:
     """Keep what the request's prefill covers at its admission (`request_prompt_len`): its cache inserts mark the
-    dense tail that prefill had, after its output has grown too."""
+    dense tail that prefill had, after its output has grown too. A new prefill has split no window yet."""
     setattr(req, REQUEST_PREFILL_LEN, request_prompt_len(req))
+    setattr(req, REQUEST_SPLIT_FROM, None)
+
+
+def note_split_window(req, position: int) -> None:
+    """The request's prefill computes the window starting at `position` over two passes."""
+    split = request_split_from(req)
+    setattr(req, REQUEST_SPLIT_FROM, position if split is None else min(split, position))
+
+
+def request_split_from(req) -> int | None:
+    """Where the first window the request's prefill computed over two passes starts (None: none)."""
+    return getattr(req, REQUEST_SPLIT_FROM, None)
 
 
 def request_prefill_len(req) -> int:
