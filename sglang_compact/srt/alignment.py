@@ -151,7 +151,8 @@ def align_chunk_ends(result, scheduler, *args, **kwargs):
 def align_cache_hit(result, req, tree_cache=None, *args, **kwargs):
     """AFTER hook of `Req.init_next_round_input`: a cache hit is cut to what the request computes the same way
     cold (`first_inexact`), and back to a window start where that falls before the request's dense tail and the
-    request has a sparse window."""
+    request has a sparse window. A tree path it cannot read keeps the hit only below the gate, where every request
+    reads every page (exact, less reuse), rather than stop the scheduler."""
     gate = ACTIVE_GATE
     if gate is None or tree_cache is None:
         return None
@@ -160,8 +161,13 @@ def align_cache_hit(result, req, tree_cache=None, *args, **kwargs):
     if gate.decision.never or matched == 0:
         return None
     prompt = compat.request_prompt_len(req)
-    keep = min(matched, first_inexact(gate, compat.node_path_spans(compat.request_cache_node(req)), prompt))
-    keep = window_start_before_tail(gate, keep, prompt)
+    try:
+        exact = first_inexact(gate, compat.node_path_spans(compat.request_cache_node(req)), prompt)
+    except Exception:  # a tree SGLang built otherwise than we read it
+        log_once(logger, logging.ERROR, "sglang_compact: could not read the radix tree path of a request's cache "
+                 "hit; hits are kept only below the gate", exc_info=True)
+        exact = sparse_start(gate, prompt)
+    keep = window_start_before_tail(gate, min(matched, exact), prompt)
     if keep < matched:
         compat.truncate_request_prefix(req, keep)
     return None
