@@ -43,9 +43,9 @@ request's dense tail, and a later prompt may read KV its cold run would have com
   chunk to that room; it is cut back to the last window end (`align_continuing_chunk`).
 
 One split is left: a pool with room for less than the rest of the current window. It is logged, and the
-request's KV from that window on stays out of the radix cache. Radix trees other
-than SGLang's `RadixCache` are refused at start (`model_checks.check_server_features`). `tests/cache_model.py`
-model-checks these rules on SGLang's own radix cache, requests and pools.
+request's KV from that window on stays out of the radix cache (`continuing_chunk_len`). Radix trees other than
+SGLang's `RadixCache`, and streaming sessions, are refused at start (`model_checks.check_server_features`).
+`tests/cache_model.py` model-checks these rules on SGLang's own radix cache, requests and pools.
 """
 
 from __future__ import annotations
