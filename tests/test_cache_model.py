@@ -61,7 +61,7 @@ BREAK_AND_RUN = """
     # every cached token serves, however it was computed
     "alignment.first_inexact = lambda gate, spans, prompt_len: spans[-1][1] if spans else 0",
     # a retracted request's cache inserts marked with its prompt's dense tail, not its prefill's
-    "compat.note_prefill_len = lambda req: None",
+    "compat.note_admission = lambda req: None",
     # a window a request computed over two passes (the KV pool's room was short) enters the cache
     "compat.request_split_from = lambda req: None",
 ], ids=["no insert limit", "hit not cut to a window", "every hit served", "retraction's prefill not noted",

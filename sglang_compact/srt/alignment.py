@@ -24,7 +24,7 @@ it landed in (`W` the window, `[lo, hi)` a prompt's sparse windows from the gate
   sparse window's first tokens depends on its later tokens, which join the union, so a cached prompt that
   shares only the window's first tokens holds other KV for them), only up to there: SGLang would otherwise
   attach the request's later KV to the cached copies, and swap those in for the request's own when it caches
-  a chunk. The dense tail the inserts mark is the one the request's prefill had (`compat.note_prefill_len`, at
+  a chunk. The dense tail the inserts mark is the one the request's prefill had (`compat.note_admission`, at
   its admission): a retracted request prefills its prompt and its output so far again, so its tail starts
   later than its prompt's own.
 
@@ -156,7 +156,7 @@ def align_cache_hit(result, req, tree_cache=None, *args, **kwargs):
     gate = ACTIVE_GATE
     if gate is None or tree_cache is None:
         return None
-    compat.note_prefill_len(req)
+    compat.note_admission(req)
     matched = compat.request_matched_len(req)
     if gate.decision.never or matched == 0:
         return None

@@ -56,7 +56,7 @@ CACHE_NODE_INSERT = "sglang.srt.mem_cache.radix_cache.RadixCache._insert_helper"
 #: on a radix tree node: the position (tokens from the prompt's start) from which the request that inserted the
 #: node computed its tokens' KV reading every page (its dense tail and output); None: not recorded
 NODE_DENSE_FROM = "compact_dense_from"
-#: on a request: the tokens its prefill covers, as at its last admission (`note_prefill_len`), and where the first
+#: on a request: the tokens its prefill covers, as at its last admission (`note_admission`), and where the first
 #: window its prefill computed over two passes starts (`note_split_window`)
 REQUEST_PREFILL_LEN = "compact_prefill_len"
 REQUEST_SPLIT_FROM = "compact_split_from"
@@ -177,9 +177,10 @@ def other_radix_tree_env() -> str | None:
     return next((name for name in OTHER_RADIX_TREE_ENVS if os.environ.get(name, "").lower() in on), None)
 
 
-def note_prefill_len(req) -> None:
-    """Keep what the request's prefill covers at its admission (`request_prompt_len`): its cache inserts mark the
-    dense tail that prefill had, after its output has grown too. A new prefill has split no window yet."""
+def note_admission(req) -> None:
+    """At the request's admission to a prefill: keep what the prefill covers (`request_prompt_len`), so that its
+    cache inserts mark the dense tail that prefill had after its output has grown too; and no window of it is
+    split yet."""
     setattr(req, REQUEST_PREFILL_LEN, request_prompt_len(req))
     setattr(req, REQUEST_SPLIT_FROM, None)
 
@@ -197,7 +198,7 @@ def request_split_from(req) -> int | None:
 
 def request_prefill_len(req) -> int:
     """The tokens the request's last prefill covered (its prompt, plus the output a retracted request had), the
-    prompt length the backend planned its dense tail with (`note_prefill_len`; its own prompt where none was
+    prompt length the backend planned its dense tail with (`note_admission`; its own prompt where none was
     noted)."""
     noted = getattr(req, REQUEST_PREFILL_LEN, None)
     return len(req.origin_input_ids) if noted is None else noted
