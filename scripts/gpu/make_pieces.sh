@@ -65,4 +65,9 @@ mkdir -p .pieces/s01 .pieces/s02
 head -c "$SIZE" "$W/smollm2.gguf" > .pieces/s01/raw_00
 tail -c +$((SIZE + 1)) "$W/smollm2.gguf" > .pieces/s02/raw_01
 du -sh .gpu .pieces/c* | tr '\n' ' '; echo
-echo "tracked tree: $(git ls-files -z | du -ch --files0-from=- | tail -1)"
+# A call carries the tracked tree beside its piece; once the tree has grown past what the biggest piece leaves
+# of 64 MiB, the call is refused at upload (the tree's docs/results is most of it: move it out for the piece
+# calls and back before the jobs)
+tree=$(git ls-files -z | xargs -0 cat | wc -c); big=$(du -sb .pieces/* | sort -n | tail -1 | cut -f1)
+echo "tracked tree: $tree bytes; biggest piece directory: $big bytes; room left in a call: $((64 * 1048576 - tree - big)) bytes"
+[ $((tree + big)) -lt $((64 * 1048576 - 1048576)) ] || echo "make_pieces: a piece call with the tree is within 1 MiB of 64 MiB or over: move docs/results out for the piece calls (mv docs/results /tmp/hold) and back before the jobs" >&2
