@@ -68,6 +68,6 @@ du -sh .gpu .pieces/c* | tr '\n' ' '; echo
 # A call carries the tracked tree beside its piece; once the tree has grown past what the biggest piece leaves
 # of 64 MiB, the call is refused at upload (the tree's docs/results is most of it: move it out for the piece
 # calls and back before the jobs)
-tree=$(git ls-files -z | xargs -0 cat | wc -c); big=$(du -sb .pieces/* | sort -n | tail -1 | cut -f1)
+tree=$( (git ls-files -z | xargs -0 cat 2> /dev/null || true) | wc -c); big=$(du -sb .pieces/* | sort -n | tail -1 | cut -f1)
 echo "tracked tree: $tree bytes; biggest piece directory: $big bytes; room left in a call: $((64 * 1048576 - tree - big)) bytes"
 [ $((tree + big)) -lt $((64 * 1048576 - 1048576)) ] || echo "make_pieces: a piece call with the tree is within 1 MiB of 64 MiB or over: move docs/results out for the piece calls (mv docs/results /tmp/hold) and back before the jobs" >&2
