@@ -30,7 +30,7 @@ MIN_TOKENS_HELP = ("each sparse row keeps at least this many tokens of pages, ce
 
 @dataclass(frozen=True)
 class RowBudgetParams(SelectorParams):
-    """The parameters of a fixed budget per row (`budget`, `mass_budget`)."""
+    """The parameters of a fixed budget per row (`budget`, `mass_budget`, `quest_budget`)."""
 
     density: float = param(0.3, lo=0.0, hi=1.0, help="fraction of each row's context pages kept")
     min_pages: int = param(0, lo=0, hi=1 << 20,
@@ -53,7 +53,7 @@ class BudgetParams(RowBudgetParams):
 
 
 def layer_densities(params) -> dict[int, float]:
-    """{model layer: fraction} of `params.layer_density` (a selector parameter of `budget` and `mass_budget`)."""
+    """{model layer: fraction} of `params.layer_density` (`RowBudgetParams`)."""
     if not params.layer_density:
         return {}
     try:
