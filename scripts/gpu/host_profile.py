@@ -22,9 +22,16 @@ With `--path dense` (or `both`) it profiles instead (or too) the layer of a dens
 chunk, as in the Qwen 4K / chunk 8192 TTFT point): our layer (`store_kv` with the page sums and key bounds, then
 `FlashInferExecutor.run_dense`, a planned ragged run on the chunk's K/V), its two parts apart (the store with and
 without summaries, the ragged run on fa3 and fa2), the same with the cached Triton launch, and stock SGLang's
-layer (its `store_cache` into an NHD pool, then FlashInfer's fa2 ragged wrapper planned once). Each also gets its
-GPU time per layer (the profiler's kernel time) beside the host time, and the pass's planning (`QBlocks.build`,
+layer (its `store_cache` into an NHD pool, then FlashInfer's fa2 ragged wrapper planned once). Where sgl_kernel's
+FA3 library loads (on the GPU host after pieces c01-c04), stock `fa3`'s layer too, SGLang's default on Hopper (the
+same store, then Tri Dao's FA3 over the paged NHD cache, as `FlashAttentionBackend.forward_extend` runs it), and
+FA3's varlen kernel on the chunk's K/V; the attention kernels alone as well, so a gap between our dense pass and
+stock `fa3`'s can be put on the kernel or on the rest. Each also gets its GPU time per layer (the profiler's kernel
+time) beside the host time, each variant that returns the attention output its max abs error against a plain-torch
+fp32 reference (`reference_causal`; the run fails above `DENSE_TOL`), and the pass's planning (`QBlocks.build`,
 `plan_forward`) its host time per pass.
+
+    python3 scripts/gpu/host_profile.py --path dense --dense-tokens 8192 --out $OUT/hp   # Qwen's 8K pass
 
 Writes `host_profile.json` and `host_profile.md` into --out.
 """
@@ -90,8 +97,13 @@ def make_layer(selector: str, params: dict, kernel: str, context: int, chunk: in
 QWEN = dict(num_q_heads=14, num_kv_heads=2, head_dim=64, page_size=32)
 
 
-def dense_layers(tokens: int) -> list[tuple[str, object]]:
-    """(name, one layer) of a dense pass with no cached prefix over one `tokens`-token chunk, ours and stock's."""
+#: max |output - reference_causal| of a dense layer's attention (bf16 outputs against the fp32 reference)
+DENSE_TOL = 2e-2
+
+
+def dense_layers(tokens: int) -> tuple[list[tuple[str, object]], tuple[torch.Tensor, ...]]:
+    """(name, one layer) of a dense pass with no cached prefix over one `tokens`-token chunk, ours and stock's,
+    and that chunk's (q, k, v)."""
     H_q, H_kv, D, P = QWEN["num_q_heads"], QWEN["num_kv_heads"], QWEN["head_dim"], QWEN["page_size"]
     b = random_batch([0], [tokens], dtype=torch.bfloat16, device="cuda", seed=0, **QWEN)
     b = dataclasses.replace(b, qblocks=b.qblocks.with_dense(range(b.qblocks.windows)), derived={})
@@ -148,13 +160,60 @@ def dense_layers(tokens: int) -> list[tuple[str, object]]:
 
     layers += [("stock layer (store_cache into NHD, fa2 ragged planned once)", stock()),
                ("  stock store_cache", stock(attend=False))]
+    layers += [("  FlashInfer fa3 ragged alone (ours)", lambda: executors["fa3-auto"].run_dense(
+                   q, b.k_pool, b.v_pool, chunk_kv=(k, v))),
+               ("  FlashInfer fa2 ragged alone (stock `flashinfer`)", lambda: stock_ragged.run(q, k, v))]
+    try:   # stock `fa3`: SGLang's default backend on Hopper, Tri Dao's FA3 from sgl_kernel (pieces c01-c04 here)
+        from sgl_kernel.flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
+        cu64 = torch.tensor([0, 64], dtype=torch.int32, device="cuda")
+        flash_attn_varlen_func(q[:64], k[:64], v[:64], cu64, cu64, 64, 64, causal=True)   # the library loads
+    except Exception as e:   # the bundle trims the FA3 library: say so and time the rest
+        print(f"stock fa3 unavailable ({type(e).__name__}: {e}): its rows are left out", flush=True)
+    else:
+        k_cache, v_cache = nhd_k.view(num_pages, P, H_kv, D), nhd_v.view(num_pages, P, H_kv, D)
+        page_table = b.page_table[:1].to("cuda", torch.int32)
+        seqlens = torch.tensor([tokens], dtype=torch.int32, device="cuda")
+        cu = torch.tensor([0, tokens], dtype=torch.int32, device="cuda")
+
+        def fa3_paged():   # what SGLang 0.5.17's FlashAttentionBackend.forward_extend runs for this pass
+            return flash_attn_with_kvcache(q=q, k_cache=k_cache, v_cache=v_cache, page_table=page_table,
+                                           cache_seqlens=seqlens, cu_seqlens_q=cu, cu_seqlens_k_new=cu,
+                                           max_seqlen_q=tokens, softmax_scale=D ** -0.5, causal=True)
+
+        def stock_fa3():
+            stock(attend=False)()
+            return fa3_paged()
+
+        layers += [("stock `fa3` layer (store_cache into NHD, FA3 over the paged cache)", stock_fa3),
+                   ("  FA3 over the paged cache alone (stock `fa3`)", fa3_paged),
+                   ("  FA3 varlen on the chunk's K/V alone", lambda: flash_attn_varlen_func(
+                       q, k, v, cu, cu, tokens, tokens, softmax_scale=D ** -0.5, causal=True))]
 
     def plan_pass():
         qb = QBlocks.build([0], [tokens], P, b.qblocks.window_pages, [(0, 0)])
         bb = dataclasses.replace(b, q=q, qblocks=qb, derived={})
         executors["fa3-auto"].plan_forward(ForwardShape.of(bb), b.page_table)
     layers.append(("compact pass planning (QBlocks.build + plan_forward), per pass", plan_pass))
-    return layers
+    return layers, (q, k, v)
+
+
+def reference_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Plain-torch causal attention of one sequence in fp32: q [T, H_q, D], k/v [T, H_kv, D] -> [T, H_q, D]
+    (query head h reads kv head h // (H_q / H_kv), as the kernels do)."""
+    G = q.shape[1] // k.shape[1]
+    qh = q.float().transpose(0, 1)
+    kh = k.float().repeat_interleave(G, dim=1).transpose(0, 1)
+    vh = v.float().repeat_interleave(G, dim=1).transpose(0, 1)
+    return torch.nn.functional.scaled_dot_product_attention(qh, kh, vh, is_causal=True).transpose(0, 1)
+
+
+def max_error(out, ref: torch.Tensor) -> float | None:
+    """max |out - ref| for a variant that returns the attention output [T, H_q, D]; None for one that does not."""
+    if isinstance(out, (tuple, list)):
+        out = out[0]
+    if not isinstance(out, torch.Tensor) or out.shape != ref.shape:
+        return None
+    return (out.float() - ref).abs().max().item()
 
 
 def cuda_kernels(fn, n: int = 20) -> list:
@@ -248,19 +307,25 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     results = []
     dense = []
-    layers = dense_layers(a.dense_tokens) if a.path in ("dense", "both") else []
+    layers, qkv = dense_layers(a.dense_tokens) if a.path in ("dense", "both") else ([], None)
     sparse = []
     for selector, params, kernel in SELECTORS if a.path != "dense" else ():
         layer, mode = make_layer(selector, params, kernel, a.context, a.chunk)
         sparse.append((selector, params, kernel, mode, layer))
     host = [spread(ts) for ts in host_ms_rounds([fn for _, fn in layers] + [s[-1] for s in sparse], a.layers,
                                                 a.rounds)]
+    ref = reference_causal(*qkv) if qkv else None
     for (name, fn), h in zip(layers, host):
+        err = max_error(fn(), ref)
         r = dict(name=name, tokens=a.dense_tokens, **h, gpu_ms=gpu_ms(fn), kernels=kernels_per_layer(fn),
-                 top=top_functions(fn, a.layers, 12))
+                 max_abs_error=err, top=top_functions(fn, a.layers, 12))
         dense.append(r)
         print(f"{name}: host {r['host_ms']:.3f} ms [{r['host_ms_min']:.3f}, {r['host_ms_max']:.3f}], "
-              f"GPU {r['gpu_ms']:.3f} ms, {r['kernels']:.1f} kernels", flush=True)
+              f"GPU {r['gpu_ms']:.3f} ms, {r['kernels']:.1f} kernels"
+              + ("" if err is None else f", max |out - reference| {err:.2e}"), flush=True)
+    bad = [r["name"].strip() for r in dense if r["max_abs_error"] is not None and r["max_abs_error"] > DENSE_TOL]
+    if bad:
+        print(f"FAILED: outputs off the plain-torch reference by more than {DENSE_TOL}: {bad}", flush=True)
     for (selector, params, kernel, mode, layer), h in zip(sparse, host[len(layers):]):
         r = dict(selector=selector, params=params, kernel=kernel, mode=mode, context=a.context, chunk=a.chunk,
                  host_ms_per_layer=h["host_ms"], **{k: v for k, v in h.items() if k != "host_ms"},
@@ -273,11 +338,14 @@ def main() -> int:
     (out / "host_profile.json").write_text(json.dumps(dict(meta, results=results, dense=dense), indent=1))
     lines = [f"# Host time per layer ({meta['gpu']}, {meta['date']})", "", f"`{meta['command']}`", ""]
     if dense:
-        lines += [f"Dense pass, no cached prefix, {a.dense_tokens} tokens, Qwen2.5-0.5B heads (14/2 x 64, page 32):",
-                  "", "| layer | host ms (median [min, max] of the rounds) | GPU ms | CUDA kernels |",
-                  "| --- | --- | --- | --- |"]
+        lines += [f"Dense pass, no cached prefix, {a.dense_tokens} tokens, Qwen2.5-0.5B heads (14/2 x 64, page 32); "
+                  f"max |output - plain-torch fp32 reference| where the variant returns the output "
+                  f"(tolerance {DENSE_TOL}):",
+                  "", "| layer | host ms (median [min, max] of the rounds) | GPU ms | CUDA kernels | max abs error |",
+                  "| --- | --- | --- | --- | --- |"]
         lines += [f"| {r['name']} | {r['host_ms']:.3f} [{r['host_ms_min']:.3f}, {r['host_ms_max']:.3f}] | "
-                  f"{r['gpu_ms']:.3f} | {r['kernels']:.1f} |" for r in dense]
+                  f"{r['gpu_ms']:.3f} | {r['kernels']:.1f} | "
+                  f"{'' if r['max_abs_error'] is None else format(r['max_abs_error'], '.2e')} |" for r in dense]
         lines.append("")
     if results:
         lines += ["Sparse path:", "",
@@ -298,7 +366,7 @@ def main() -> int:
         lines += [f"| `{t['fn']}` | {t['calls']:.1f} | {t['own_us']:.1f} | {t['cum_us']:.1f} |" for t in r["top"]]
     (out / "host_profile.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines[:summary]))
-    return 0
+    return 1 if bad else 0
 
 
 if __name__ == "__main__":
