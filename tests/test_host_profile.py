@@ -38,23 +38,6 @@ def test_spread_reports_the_median_and_the_range_of_the_rounds():
         host_ms=0.25, host_ms_min=0.1, host_ms_max=0.9, host_ms_rounds=[0.3, 0.1, 0.2, 0.9, 0.25])
 
 
-def test_the_dense_reference_is_causal_attention_with_each_query_head_on_its_kv_head():
-    import torch
-    g = torch.Generator().manual_seed(1)
-    T, H_q, H_kv, D = 7, 6, 2, 4
-    q, k, v = (torch.randn(T, h, D, generator=g) for h in (H_q, H_kv, H_kv))
-    out = host_profile.reference_causal(q, k, v)
-    want = torch.empty(T, H_q, D)
-    for h in range(H_q):
-        kv = h // (H_q // H_kv)
-        for t in range(T):
-            w = torch.softmax(k[:t + 1, kv] @ q[t, h] / D ** 0.5, dim=0)
-            want[t, h] = w @ v[:t + 1, kv]
-    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
-    # a wrong mapping of query heads to kv heads (h % H_kv) would read other keys
-    assert not torch.allclose(out[:, 1], host_profile.reference_causal(q[:, [1]], k[:, [1]], v[:, [1]])[:, 0])
-
-
 def test_max_error_reads_the_output_and_skips_variants_without_one():
     import torch
     ref = torch.zeros(3, 2, 4)

@@ -27,9 +27,9 @@ FA3 library loads (on the GPU host after pieces c01-c04), stock `fa3`'s layer to
 same store, then Tri Dao's FA3 over the paged NHD cache, as `FlashAttentionBackend.forward_extend` runs it), and
 FA3's varlen kernel on the chunk's K/V; the attention kernels alone as well, so a gap between our dense pass and
 stock `fa3`'s can be put on the kernel or on the rest. Each also gets its GPU time per layer (the profiler's kernel
-time) beside the host time, each variant that returns the attention output its max abs error against a plain-torch
-fp32 reference (`reference_causal`; the run fails above `DENSE_TOL`), and the pass's planning (`QBlocks.build`,
-`plan_forward`) its host time per pass.
+time) beside the host time, each variant that returns the attention output its max abs error against the
+plain-torch fp32 reference the GPU tests use (`causal_context_attention`; the run fails above `DENSE_TOL`), and the
+pass's planning (`QBlocks.build`, `plan_forward`) its host time per pass.
 
     python3 scripts/gpu/host_profile.py --path dense --dense-tokens 8192 --out $OUT/hp   # Qwen's 8K pass
 
@@ -62,6 +62,7 @@ from sglang_compact.config import CompactConfig  # noqa: E402
 from sglang_compact.executors import ForwardShape  # noqa: E402
 from sglang_compact.executors.flashinfer_adapter import ragged_wrapper  # noqa: E402
 from sglang_compact.executors.flashinfer_executor import make_flashinfer_executor  # noqa: E402
+from sglang_compact.executors.torch_executor import causal_context_attention  # noqa: E402
 from sglang_compact.kernels.launch import Launcher  # noqa: E402
 from sglang_compact.summaries import PageSummaries, store_kv  # noqa: E402
 
@@ -97,13 +98,13 @@ def make_layer(selector: str, params: dict, kernel: str, context: int, chunk: in
 QWEN = dict(num_q_heads=14, num_kv_heads=2, head_dim=64, page_size=32)
 
 
-#: max |output - reference_causal| of a dense layer's attention (bf16 outputs against the fp32 reference)
+#: max |output - causal_context_attention| of a dense layer (bf16 outputs against the fp32 reference)
 DENSE_TOL = 2e-2
 
 
-def dense_layers(tokens: int) -> tuple[list[tuple[str, object]], tuple[torch.Tensor, ...]]:
+def dense_layers(tokens: int) -> tuple[list[tuple[str, object]], torch.Tensor]:
     """(name, one layer) of a dense pass with no cached prefix over one `tokens`-token chunk, ours and stock's,
-    and that chunk's (q, k, v)."""
+    and the chunk's attention output by the plain-torch reference (fp32)."""
     H_q, H_kv, D, P = QWEN["num_q_heads"], QWEN["num_kv_heads"], QWEN["head_dim"], QWEN["page_size"]
     b = random_batch([0], [tokens], dtype=torch.bfloat16, device="cuda", seed=0, **QWEN)
     b = dataclasses.replace(b, qblocks=b.qblocks.with_dense(range(b.qblocks.windows)), derived={})
@@ -194,17 +195,8 @@ def dense_layers(tokens: int) -> tuple[list[tuple[str, object]], tuple[torch.Ten
         bb = dataclasses.replace(b, q=q, qblocks=qb, derived={})
         executors["fa3-auto"].plan_forward(ForwardShape.of(bb), b.page_table)
     layers.append(("compact pass planning (QBlocks.build + plan_forward), per pass", plan_pass))
-    return layers, (q, k, v)
-
-
-def reference_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Plain-torch causal attention of one sequence in fp32: q [T, H_q, D], k/v [T, H_kv, D] -> [T, H_q, D]
-    (query head h reads kv head h // (H_q / H_kv), as the kernels do)."""
-    G = q.shape[1] // k.shape[1]
-    qh = q.float().transpose(0, 1)
-    kh = k.float().repeat_interleave(G, dim=1).transpose(0, 1)
-    vh = v.float().repeat_interleave(G, dim=1).transpose(0, 1)
-    return torch.nn.functional.scaled_dot_product_attention(qh, kh, vh, is_causal=True).transpose(0, 1)
+    store_kv(b.k_pool, b.v_pool, loc, k, v, None)   # the reference reads the chunk's K/V from the pool
+    return layers, causal_context_attention(dataclasses.replace(b, q=q))
 
 
 def max_error(out, ref: torch.Tensor) -> float | None:
@@ -307,14 +299,13 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     results = []
     dense = []
-    layers, qkv = dense_layers(a.dense_tokens) if a.path in ("dense", "both") else ([], None)
+    layers, ref = dense_layers(a.dense_tokens) if a.path in ("dense", "both") else ([], None)
     sparse = []
     for selector, params, kernel in SELECTORS if a.path != "dense" else ():
         layer, mode = make_layer(selector, params, kernel, a.context, a.chunk)
         sparse.append((selector, params, kernel, mode, layer))
     host = [spread(ts) for ts in host_ms_rounds([fn for _, fn in layers] + [s[-1] for s in sparse], a.layers,
                                                 a.rounds)]
-    ref = reference_causal(*qkv) if qkv else None
     for (name, fn), h in zip(layers, host):
         err = max_error(fn(), ref)
         r = dict(name=name, tokens=a.dense_tokens, **h, gpu_ms=gpu_ms(fn), kernels=kernels_per_layer(fn),
