@@ -181,8 +181,10 @@ def dense_layers(tokens: int) -> tuple[list[tuple[str, object]], torch.Tensor]:
                                            cache_seqlens=seqlens, cu_seqlens_q=cu, cu_seqlens_k_new=cu,
                                            max_seqlen_q=tokens, softmax_scale=D ** -0.5, causal=True)
 
+        stock_store = stock(attend=False)
+
         def stock_fa3():
-            stock(attend=False)()
+            stock_store()
             return fa3_paged()
 
         layers += [("stock `fa3` layer (store_cache into NHD, FA3 over the paged cache)", stock_fa3),
