@@ -17,6 +17,7 @@ from sglang_compact.selectors.registry import (SelectorParams, SelectorSpec, imp
                                                parse_layer_ids, selector_names, selector_spec)
 
 PREFILL_KERNELS = ("auto", "fa2", "fa3")
+DENSE_KERNELS = ("auto", "flashinfer", "sgl-fa3")
 PREFIX_CACHE_POLICIES = ("exact", "reuse")
 
 #: The layer of a sparse forward pass (counted from the pass's first) that reads how many pages each row
@@ -78,6 +79,9 @@ class CompactConfig:
             once per forward pass only when the row lengths are known on the host:
             dense passes, selectors that fix row lengths), or "auto" (fa3 on sm90
             where it is planned once, else fa2). Ignored on CPU.
+        dense_kernel: the kernel of dense passes on CUDA: "sgl-fa3" (sgl_kernel's FA3, what stock SGLang's
+            fa3 backend, its default on Hopper, runs; Hopper only), "flashinfer" (`prefill_kernel`'s), or
+            "auto" (sgl-fa3 where it runs, else flashinfer). Ignored on CPU.
         recall_every: every `recall_every`-th sparse forward pass (0: never), one
             layer (in turn) measures the mass recall of its selection: for each
             sparse window, the share of the window's last query's attention (one
@@ -105,6 +109,7 @@ class CompactConfig:
     dense_layers: tuple[int, ...] = ()
     density_cap: float | None = None
     prefill_kernel: str = "auto"
+    dense_kernel: str = "auto"
     recall_every: int = 0
     prefix_cache: str = "exact"
 
@@ -147,6 +152,8 @@ class CompactConfig:
             _fail("prefix_cache", f"must be one of {', '.join(PREFIX_CACHE_POLICIES)}", self.prefix_cache)
         if self.prefill_kernel not in PREFILL_KERNELS:
             _fail("prefill_kernel", f"must be one of {', '.join(PREFILL_KERNELS)}", self.prefill_kernel)
+        if self.dense_kernel not in DENSE_KERNELS:
+            _fail("dense_kernel", f"must be one of {', '.join(DENSE_KERNELS)}", self.dense_kernel)
         cap = self.density_cap
         if cap is not None:
             if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not (0.0 < cap <= 1.0) or math.isnan(cap):
@@ -191,7 +198,7 @@ class CompactConfig:
         return (f"selector={self.selector!r}({p}), page {self.block_size}, sink {self.sink_blocks}, "
                 f"recent {self.recent_blocks}, union_window {window}, min_context {gate}, dense_tail "
                 f"{self.dense_tail}, dense_above {'auto' if self.dense_above is None else self.dense_above}, "
-                f"density_cap {self.density_cap}, prefill_kernel {self.prefill_kernel}"
+                f"density_cap {self.density_cap}, prefill_kernel {self.prefill_kernel}, dense_kernel {self.dense_kernel}"
                 + (f", dense layers {','.join(map(str, self.dense_layers))}" if self.dense_layers else "")
                 + (f", recall every {self.recall_every} sparse passes" if self.recall_every else "")
                 + (f", prefix cache {self.prefix_cache}" if self.prefix_cache != "exact" else ""))

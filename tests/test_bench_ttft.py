@@ -20,6 +20,8 @@ def test_method_names():
     assert module == COMPACT and flags[-2:] == ["--compact-density", "0.3"]
     assert "--compact-prefill-kernel" in flags and "--compact-min-context" in flags and "--enable-metrics" in flags
     assert method_args("compact-dense")[1][-2:] == ["--compact-selector", "dense"]
+    fidense = method_args("compact-dense-fidense")[1]   # dense passes on FlashInfer, not sgl_kernel's FA3
+    assert fidense[-4:] == ["--compact-dense-kernel", "flashinfer", "--compact-selector", "dense"]
     assert method_args("compact-quest_budget-0.33")[1][-4:] == ["--compact-selector", "quest_budget",
                                                                 "--compact-selector-params", '{"density": 0.33}']
     with pytest.raises(ValueError):

@@ -40,6 +40,7 @@ def test_the_default_floor_is_in_tokens(page, pages):
     ({"dense_above": float("nan")}, "dense_above", "[0, 1]"),
     ({"dense_above": True}, "dense_above", "[0, 1]"),
     ({"prefill_kernel": "fa4"}, "prefill_kernel", "one of auto, fa2, fa3"),
+    ({"dense_kernel": "fa3"}, "dense_kernel", "one of auto, flashinfer, sgl-fa3"),
     ({"selector": "flashprefill", "selector_params": {"query_stride": 3}}, "selector_params['query_stride']",
      "power of two in [1, 16]"),
     ({"selector": "budget", "selector_params": {"query_stride": 32}}, "selector_params['query_stride']",
@@ -123,6 +124,22 @@ def test_dense_layers_are_checked_against_the_model_and_the_rows_plan():
                            planned_once=False)
     with pytest.raises(UnsupportedModelError, match="add --compact-prefill-kernel fa2"):
         check_dense_layers(cfg, SimpleNamespace(model_layers=24, start_layer=0), planned_once=True)
+
+
+def test_dense_kernel_off_hopper():
+    """`--compact-dense-kernel`: auto falls back to FlashInfer where sgl_kernel's FA3 cannot run (here: no CUDA);
+    sgl-fa3 asked for there is refused at start, with the reason."""
+    import torch
+
+    from sglang_compact.srt.model_checks import UnsupportedModelError
+    from sglang_compact.srt.runtime import resolve_dense_kernel
+
+    cpu = torch.device("cpu")
+    assert resolve_dense_kernel(CompactConfig(), cpu, torch.bfloat16, 64) == "flashinfer"
+    assert resolve_dense_kernel(CompactConfig(dense_kernel="flashinfer"), cpu, torch.bfloat16, 64) == "flashinfer"
+    with pytest.raises(UnsupportedModelError, match="--compact-dense-kernel sgl-fa3: FA3 runs on CUDA GPUs, the KV "
+                                                    "cache is on cpu; use auto or flashinfer"):
+        resolve_dense_kernel(CompactConfig(dense_kernel="sgl-fa3"), cpu, torch.bfloat16, 64)
 
 
 @pytest.mark.parametrize("page, stride, ok", [(32, 2, True), (64, 4, True), (32, 4, False), (16, 2, False)])

@@ -250,6 +250,84 @@ def test_dense_pass_is_one_flashinfer_paged_pass(kernel):
         assert torch.equal(ex.run_dense(q, k_pool, v_pool), fresh.run(q, (k_pool, v_pool)))
 
 
+def sgl_fa3_or_skip():
+    from sglang_compact.executors.sgl_fa3 import unavailable_reason
+    why = unavailable_reason(torch.device(DEV), torch.bfloat16, 64)
+    if why is not None:
+        pytest.skip(why)
+    from sgl_kernel.flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
+    return flash_attn_varlen_func, flash_attn_with_kvcache
+
+
+@pytest.mark.parametrize("kernel", ["fa2", "fa3-auto"])
+@pytest.mark.parametrize("hq,hkv,d,page", [(32, 8, 128, 64), (14, 2, 64, 32)])
+@pytest.mark.parametrize("prefix", [[8192 + 33, 0, 4096], [0, 0, 0]])
+def test_dense_pass_on_sgl_fa3_is_stock_fa3s_kernel(kernel, hq, hkv, d, page, prefix):
+    """`dense_fa3`: a dense pass runs sgl_kernel's FA3 as stock SGLang's fa3 backend does. With a cached prefix
+    (and a request without one in the batch): bit for bit FA3 over a token-major copy of the pool, the layout
+    stock reads (ours reads the head-major pool in place); with none, FA3 varlen on the chunks' own K/V. Every
+    layer of the pass under one plan, into a given output buffer, against the plain-torch reference."""
+    varlen, with_kvcache = sgl_fa3_or_skip()
+    b = gpu_batch(prefix, [1024, 300, 517], hq, hkv, d, seed=31, page=page, sparse_ranges=[(0, 0)] * 3)
+    ex = make_flashinfer_executor(kernel, DEV, max_rows=b.num_rows, max_indices=b.num_rows * b.qblocks.max_pages,
+                                  dense_fa3=True)
+    ex.plan_forward(ForwardShape.of(b), b.page_table)
+    assert ex.mode == "dense"
+    ctx = torch.tensor([L + C for L, C in zip(b.prefix_lens_cpu, b.chunk_lens_cpu)], dtype=torch.int32, device=DEV)
+    cu = torch.tensor([0, 1024, 1324, 1841], dtype=torch.int32, device=DEV)
+    g = torch.Generator(device=DEV).manual_seed(13)
+    for layer in range(2):   # a second layer: other queries, keys and pool under the same plan
+        if layer == 0:
+            q, k, v, k_pool, v_pool = b.q, b.k_chunk, b.v_chunk, b.k_pool, b.v_pool
+        else:
+            q, k, v, k_pool, v_pool = (torch.randn(t.shape, generator=g, device=DEV).to(t.dtype)
+                                       for t in (b.q, b.k_chunk, b.v_chunk, b.k_pool, b.v_pool))
+        buf = torch.full_like(q, float("nan"))
+        out = ex.run_dense(q, k_pool, v_pool, out=buf, chunk_kv=(k, v))
+        assert out.data_ptr() == buf.data_ptr()
+        if any(prefix):
+            stock = with_kvcache(q=q, k_cache=k_pool.transpose(1, 2).contiguous(),
+                                 v_cache=v_pool.transpose(1, 2).contiguous(), page_table=b.page_table.int(),
+                                 cache_seqlens=ctx, cu_seqlens_q=cu, max_seqlen_q=1024, softmax_scale=b.sm_scale,
+                                 causal=True)
+        else:
+            stock = varlen(q, k, v, cu, cu, 1024, 1024, softmax_scale=b.sm_scale, causal=True)
+        assert torch.equal(out, stock), rel_err(out, stock)
+        if layer == 0:
+            err = rel_err(out, reference_attention(b, b.full_table()))
+            print(f"dense sgl-fa3 {kernel} heads={hq}/{hkv} d={d} page={page} prefix={prefix}: rel_err={err:.2e}")
+            assert err <= 1e-2
+    if not any(prefix):   # no chunk K/V handed over: the pool
+        err = rel_err(ex.run_dense(b.q, b.k_pool, b.v_pool), reference_attention(b, b.full_table()))
+        assert err <= 1e-2, err
+
+
+def test_dense_passes_of_a_32k_prompt_on_sgl_fa3_while_the_gpu_lags():
+    """A 32K prompt's chunked prefill on Qwen2.5-Coder-0.5B's shapes (page 32, chunk 1024) through FA3 dense
+    passes, each pass planned while the GPU still runs the ones before (a sleep kernel queued before each): every
+    pass equals what it gives on an idle GPU and the plain-torch reference."""
+    sgl_fa3_or_skip()
+    passes = [gpu_batch([prefix], [1024], 14, 2, 64, seed=300 + i, page=32, sparse_ranges=[(0, 0)])
+              for i, prefix in enumerate([0, 1024, 30720, 8192, 16384, 31744])]
+
+    def run_all(lag):
+        ex = make_flashinfer_executor("fa3-auto", DEV, max_rows=64, max_indices=64 * 1100, dense_fa3=True)
+        outs = []
+        for b in passes:
+            if lag:
+                torch.cuda._sleep(50_000_000)
+            ex.plan_forward(ForwardShape.of(b), b.page_table)
+            outs.append(ex.run_dense(b.q, b.k_pool, b.v_pool, chunk_kv=(b.k_chunk, b.v_chunk)))
+        torch.cuda.synchronize()
+        return outs
+
+    for b, lagged, idle in zip(passes, run_all(True), run_all(False)):
+        assert torch.equal(lagged, idle), b.prefix_lens_cpu
+        err = rel_err(idle, reference_attention(b, b.full_table()))
+        print(f"qwen dense sgl-fa3 prefix {b.prefix_lens_cpu[0]}: rel_err={err:.2e}")
+        assert torch.isfinite(idle).all() and err <= 1e-2, (b.prefix_lens_cpu, err)
+
+
 @pytest.mark.parametrize("hq,hkv,d", [(16, 4, 128), (9, 3, 64)])
 @pytest.mark.parametrize("selector", ["flashprefill", "budget"])
 def test_fa2_planned_once_serves_every_layer(hq, hkv, d, selector):

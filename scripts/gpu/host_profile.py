@@ -24,8 +24,9 @@ chunk, as in the Qwen 4K / chunk 8192 TTFT point): our layer (`store_kv` with th
 without summaries, the ragged run on fa3 and fa2), the same with the cached Triton launch, and stock SGLang's
 layer (its `store_cache` into an NHD pool, then FlashInfer's fa2 ragged wrapper planned once). Where sgl_kernel's
 FA3 library loads (on the GPU host after pieces c01-c04), stock `fa3`'s layer too, SGLang's default on Hopper (the
-same store, then Tri Dao's FA3 over the paged NHD cache, as `FlashAttentionBackend.forward_extend` runs it), and
-FA3's varlen kernel on the chunk's K/V; the attention kernels alone as well, so a gap between our dense pass and
+same store, then Tri Dao's FA3 over the paged NHD cache, as `FlashAttentionBackend.forward_extend` runs it),
+FA3's varlen kernel on the chunk's K/V, and our layer with dense passes on that kernel (`dense_fa3`, the default
+where it runs: `sglang_compact/executors/sgl_fa3.py`); the attention kernels alone as well, so a gap between our dense pass and
 stock `fa3`'s can be put on the kernel or on the rest. Each also gets its GPU time per layer (the profiler's kernel
 time) beside the host time, each variant that returns the attention output its max abs error against the
 plain-torch fp32 reference the GPU tests use (`causal_context_attention`; the run fails above `DENSE_TOL`), and the
@@ -187,7 +188,12 @@ def dense_layers(tokens: int) -> tuple[list[tuple[str, object]], torch.Tensor]:
             stock_store()
             return fa3_paged()
 
-        layers += [("stock `fa3` layer (store_cache into NHD, FA3 over the paged cache)", stock_fa3),
+        ex = make_flashinfer_executor("fa3-auto", "cuda", b.num_rows, b.num_rows * b.qblocks.max_pages,
+                                      dense_fa3=True)
+        ex.plan_forward(ForwardShape.of(dataclasses.replace(b, q=q)), b.page_table)
+        executors["sgl-fa3"] = ex
+        layers += [("compact dense layer on sgl_kernel FA3 (the default where it runs)", ours("sgl-fa3")),
+                   ("stock `fa3` layer (store_cache into NHD, FA3 over the paged cache)", stock_fa3),
                    ("  FA3 over the paged cache alone (stock `fa3`)", fa3_paged),
                    ("  FA3 varlen on the chunk's K/V alone", lambda: flash_attn_varlen_func(
                        q, k, v, cu, cu, tokens, tokens, softmax_scale=D ** -0.5, causal=True))]

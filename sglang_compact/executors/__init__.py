@@ -9,9 +9,9 @@ from sglang_compact.executors.base import Executor, ForwardShape, rows_from_toke
 from sglang_compact.executors.torch_executor import TorchExecutor, reference_attention
 
 
-def make_flashinfer_executor(kernel: str, device, max_rows: int, max_indices: int):
+def make_flashinfer_executor(kernel: str, device, max_rows: int, max_indices: int, dense_fa3: bool = False):
     from sglang_compact.executors.flashinfer_executor import make_flashinfer_executor as make
-    return make(kernel, device, max_rows, max_indices)
+    return make(kernel, device, max_rows, max_indices, dense_fa3=dense_fa3)
 
 
 __all__ = ["Executor", "ForwardShape", "TorchExecutor", "make_flashinfer_executor", "reference_attention",

@@ -9,7 +9,8 @@ ragged pass over the chunks' own K/V, the kernel stock SGLang's FlashInfer
 backend runs for it. Per layer: one `run`, into the output buffer SGLang hands
 the backend when it does, nothing else. (Stock SGLang's FlashInfer backend
 runs ragged + paged + `merge_state` for a pass with a prefix; stock fa3 runs
-one paged pass, as here.)
+one paged pass, as here.) With `dense_fa3` (Hopper, where sgl_kernel's FA3
+runs: `sgl_fa3.py`), dense passes run on the kernel stock fa3 runs instead.
 
 Sparse pass: the pool `[num_pages, H_kv, P, D]` is viewed as
 `[num_pages * H_kv, 1, P, D]`, so every row (kv head g, window w) is a
@@ -40,6 +41,7 @@ import torch
 
 from sglang_compact.batch import ChunkBatch, host_cumsum
 from sglang_compact.executors import flashinfer_adapter as fi
+from sglang_compact.executors.sgl_fa3 import FA3DensePass
 from sglang_compact.executors.base import ForwardShape, rows_from_tokens, tokens_from_rows
 from sglang_compact.indices import IndexBuffers, PagedIndices
 
@@ -55,13 +57,17 @@ class FlashInferExecutor:
         device: CUDA device.
         max_rows: bound on R = H_kv * NW per forward pass.
         max_indices: bound on the (row, page) pairs of a pass in which every row reads its whole context.
+        dense_fa3: dense passes on sgl_kernel's FA3 (`sgl_fa3.unavailable_reason` must be None), not FlashInfer.
     """
 
     kernel = "fa2"
 
-    def __init__(self, device, max_rows: int, max_indices: int, workspace_bytes: int = DEFAULT_WORKSPACE_BYTES):
+    def __init__(self, device, max_rows: int, max_indices: int, workspace_bytes: int = DEFAULT_WORKSPACE_BYTES,
+                 dense_fa3: bool = False):
         fi.flashinfer()  # fail early and clearly without it
         self.device = torch.device(device)
+        self.dense_fa3 = dense_fa3
+        self._fa3_dense: FA3DensePass | None = None
         self.max_rows = max_rows
         self.max_indices = max_indices
         self.workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=self.device)
@@ -87,6 +93,7 @@ class FlashInferExecutor:
         self.shape = shape
         self.index_buffers = None
         self._apart = None
+        self._fa3_dense = None
         if shape.sparse:
             self._plan_rows(shape)
             self._plan_apart(shape, page_table)
@@ -104,6 +111,9 @@ class FlashInferExecutor:
         self.mode = "dense"
         self._dense = self._dense_ragged = None
         self._page_table = page_table
+        if self.dense_fa3 and all(s.chunk_lens):
+            self._fa3_dense = FA3DensePass(s, page_table, self.device)
+            return
         if any(s.prefix_lens):
             self._plan_dense_paged(s, page_table)
             return
@@ -192,6 +202,8 @@ class FlashInferExecutor:
         `chunk_kv`: the chunk's own K/V [T, H_kv, D], which a pass with no cached prefix attends to directly."""
         if self.mode != "dense":
             raise RuntimeError(f"{type(self).__name__}.run_dense in a {self.mode} forward pass")
+        if self._fa3_dense is not None:
+            return self._fa3_dense.run(q, k_pool, v_pool, out=out, chunk_kv=chunk_kv)
         if self._dense_ragged is not None:
             if chunk_kv is not None and chunk_kv[0].dtype == q.dtype == self.shape.dtype:
                 return self._dense_ragged.run(q, chunk_kv[0], chunk_kv[1], out=out)
@@ -250,10 +262,13 @@ class FlashInferFA3Executor(FlashInferExecutor):
         return "fa3", shape.rows_indptr(), {}
 
 
-def make_flashinfer_executor(kernel: str, device, max_rows: int, max_indices: int) -> FlashInferExecutor:
-    """kernel: "fa2"; "fa3" (rows always on fa3); "fa3-auto" (fa3 where one plan serves every layer)."""
+def make_flashinfer_executor(kernel: str, device, max_rows: int, max_indices: int,
+                             dense_fa3: bool = False) -> FlashInferExecutor:
+    """kernel: "fa2"; "fa3" (rows always on fa3); "fa3-auto" (fa3 where one plan serves every layer).
+    dense_fa3: dense passes on sgl_kernel's FA3 (what stock SGLang's fa3 backend runs)."""
     if kernel == "fa2":
-        return FlashInferFA2Executor(device, max_rows, max_indices)
+        return FlashInferFA2Executor(device, max_rows, max_indices, dense_fa3=dense_fa3)
     if kernel in ("fa3", "fa3-auto"):
-        return FlashInferFA3Executor(device, max_rows, max_indices, per_layer_rows=kernel == "fa3")
+        return FlashInferFA3Executor(device, max_rows, max_indices, per_layer_rows=kernel == "fa3",
+                                     dense_fa3=dense_fa3)
     raise ValueError(f"FlashInfer kernel must be 'fa2', 'fa3' or 'fa3-auto', got {kernel!r}")

@@ -12,7 +12,7 @@ import argparse
 import json
 from typing import Sequence
 
-from sglang_compact.config import PREFILL_KERNELS, PREFIX_CACHE_POLICIES, CompactConfig, parse_layer_ids
+from sglang_compact.config import DENSE_KERNELS, PREFILL_KERNELS, PREFIX_CACHE_POLICIES, CompactConfig, parse_layer_ids
 from sglang_compact.selectors.registry import describe_params, import_selector_modules, selector_names
 
 PROG = "sglang_compact.launch_server"
@@ -94,6 +94,10 @@ def add_compact_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--compact-prefill-kernel", default=d.prefill_kernel, choices=PREFILL_KERNELS,
                    help="FlashInfer kernel on CUDA: auto (default: fa3 on Hopper where one plan serves every layer, "
                         "else fa2), fa2, fa3")
+    g.add_argument("--compact-dense-kernel", default=d.dense_kernel, choices=DENSE_KERNELS,
+                   help="kernel of passes with nothing sparse in them, on CUDA: auto (default: sgl-fa3 where it runs, "
+                        "else flashinfer), sgl-fa3 (sgl_kernel's FA3, what stock --attention-backend fa3 runs; "
+                        "Hopper), flashinfer (the --compact-prefill-kernel)")
     g.add_argument("--compact-recall-every", type=int, default=d.recall_every, metavar="N",
                    help="every N-th sparse forward pass, one layer measures how much of its attention mass the "
                         "selection reads (sglang:compact_recall on /metrics; needs --enable-metrics; default 0: off)")
@@ -149,7 +153,8 @@ def build_config(ns: argparse.Namespace, page_size: int) -> CompactConfig:
                          dense_tail=ns.compact_dense_tail, dense_above=ns.compact_dense_above,
                          dense_layers=ns.compact_dense_layers,
                          density_cap=ns.compact_density_cap,
-                         prefill_kernel=ns.compact_prefill_kernel, recall_every=ns.compact_recall_every,
+                         prefill_kernel=ns.compact_prefill_kernel,
+                         dense_kernel=ns.compact_dense_kernel, recall_every=ns.compact_recall_every,
                          prefix_cache=ns.compact_prefix_cache)
 
 

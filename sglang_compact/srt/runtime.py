@@ -42,6 +42,23 @@ def resolve_prefill_kernel(config: CompactConfig, device: torch.device, dtype: t
     return want
 
 
+def resolve_dense_kernel(config: CompactConfig, device: torch.device, dtype: torch.dtype, head_dim: int) -> str:
+    """The kernel of dense passes for `config.dense_kernel` on this device: "sgl-fa3" or "flashinfer"."""
+    from sglang_compact.executors import sgl_fa3
+    want = config.dense_kernel
+    if want == "flashinfer":
+        return want
+    why = sgl_fa3.unavailable_reason(device, dtype, head_dim)
+    if why is None:
+        return "sgl-fa3"
+    if want == "sgl-fa3":
+        raise UnsupportedModelError(f"--compact-dense-kernel sgl-fa3: {why}; use auto or flashinfer")
+    if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9:
+        logger.warning("sglang_compact: dense passes run on FlashInfer, not on the FA3 kernel stock SGLang runs by "
+                       "default on Hopper: %s", why)
+    return "flashinfer"
+
+
 def check_layer_rows(config: CompactConfig, view: compat.RunnerView, planned_once: bool,
                      selector_layers: tuple[int, ...] = ()) -> None:
     """Layers whose rows differ from the pass's plan against the model and the rows' plan: those the
@@ -126,16 +143,18 @@ class CompactRuntime:
                                         f"divisor of it")
         if view.device.type == "cuda":
             kernel = resolve_prefill_kernel(config, view.device, view.kv_dtype)
+            dense_kernel = resolve_dense_kernel(config, view.device, view.kv_dtype, view.head_dim)
             # a pass has at most max_tokens / W + max_requests windows (a chunk's ends may be partial windows)
             max_windows = cdiv(view.chunked_prefill_size or view.context_len, window) + view.max_requests
             max_rows = view.num_kv_heads * max_windows
             max_indices = max_rows * cdiv(view.context_len + view.page_size, view.page_size)
-            executor = make_flashinfer_executor(kernel, view.device, max_rows=max_rows, max_indices=max_indices)
+            executor = make_flashinfer_executor(kernel, view.device, max_rows=max_rows, max_indices=max_indices,
+                                                dense_fa3=dense_kernel == "sgl-fa3")
             device_name = torch.cuda.get_device_name(view.device)
             props = torch.cuda.get_device_properties(view.device)
             capability, multiprocessors = f"{props.major}.{props.minor}", props.multi_processor_count
         else:
-            kernel, executor, device_name = "torch", TorchExecutor(), None
+            kernel, dense_kernel, executor, device_name = "torch", "torch", TorchExecutor(), None
             capability, multiprocessors = "", 0
         shape = ModelShape(h_q, view.num_kv_heads, view.head_dim, view.page_size)
         fixed = config.spec.fixes_row_lengths or config.spec.fixes_rows_at_observing_layer(config.params)
@@ -159,8 +178,9 @@ class CompactRuntime:
         rt = cls(config, view, compat.kv_pool(model_runner), compat.req_to_token(model_runner), h_q, scale, compact,
                  gate, executor, kernel, summaries, CompactTelemetry(view.num_layers, metrics),
                  window // view.page_size)
-        logger.info("sglang_compact: %s; %d/%d heads x %d, page %d, prefill kernel %s, summaries %s; gate: %s",
-                    config.describe(), h_q, view.num_kv_heads, view.head_dim, view.page_size, kernel,
+        logger.info("sglang_compact: %s; %d/%d heads x %d, page %d, prefill kernel %s (dense passes %s), summaries "
+                    "%s; gate: %s", config.describe(), h_q, view.num_kv_heads, view.head_dim, view.page_size, kernel,
+                    dense_kernel,
                     "on" if summaries is not None else "off", gate.describe())
         return rt
 

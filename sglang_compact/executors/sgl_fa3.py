@@ -1,0 +1,85 @@
+"""Dense passes on SGLang's FA3 kernel: every use of sgl_kernel's FlashAttention-3, in one place.
+
+Stock `--attention-backend fa3`, SGLang's default on Hopper, runs Tri Dao's
+FA3 from `sgl_kernel.flash_attn`. A dense pass of the compact backend (nothing
+sparse in it) runs the same kernel, so turning the backend on costs a Hopper
+user nothing there:
+
+* a pass in which no request has a cached prefix: `flash_attn_varlen_func` on
+  the chunks' own K/V (causal);
+* otherwise `flash_attn_with_kvcache` over each request's pages, as stock runs
+  every extend, reading the head-major pool `[pages, H_kv, P, D]` in place
+  through its `[pages, P, H_kv, D]` view (FA3 takes the cache's strides; the
+  last dimension stays contiguous).
+
+FA3 takes device lengths with no host-side schedule, so a pass is planned by
+copying its lengths once (`FA3DensePass`); every layer then launches one kernel.
+
+FA3 is a separate library in sgl_kernel (`flash_ops`), which some builds leave
+out; `unavailable_reason` says why it cannot run, and the executor then runs
+dense passes on FlashInfer.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sglang_compact.batch import host_cumsum
+
+#: head dims FA3's forward kernels are built for
+HEAD_DIMS = (64, 96, 128, 192, 256)
+
+
+def unavailable_reason(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
+    """Why sgl_kernel's FA3 cannot run dense passes here, or None when it can (after one small call)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return f"FA3 runs on CUDA GPUs, the KV cache is on {device.type}"
+    major, minor = torch.cuda.get_device_capability(device)
+    if major != 9:
+        return f"FA3 dense passes are used on Hopper (sm90), this GPU is sm{major}{minor}"
+    if dtype not in (torch.bfloat16, torch.float16):
+        return f"FA3 needs a bf16 or fp16 KV cache, this one is {dtype}"
+    if head_dim not in HEAD_DIMS:
+        return f"FA3 is built for head dims {HEAD_DIMS}, the model's is {head_dim}"
+    try:
+        from sgl_kernel.flash_attn import flash_attn_varlen_func
+        x = torch.zeros(16, 1, head_dim, dtype=dtype, device=device)
+        cu = torch.tensor([0, 16], dtype=torch.int32, device=device)
+        flash_attn_varlen_func(x, x, x, cu, cu, 16, 16, causal=True)
+    except Exception as e:   # ImportError when the build lacks flash_ops; a kernel error otherwise
+        return f"sgl_kernel's FA3 does not run here ({type(e).__name__}: {e})"
+    return None
+
+
+class FA3DensePass:
+    """A dense pass on FA3: its lengths on the device, copied once per forward pass; `run` per layer.
+
+    shape: the pass's `ForwardShape`; page_table: int32 [B, >= pages of the longest context] on the device.
+    """
+
+    def __init__(self, shape, page_table: torch.Tensor, device: torch.device):
+        from sgl_kernel.flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
+        self._varlen, self._paged = flash_attn_varlen_func, flash_attn_with_kvcache
+        chunk = list(shape.chunk_lens)
+        lens = torch.tensor(host_cumsum(chunk) + shape.context_lens(), dtype=torch.int32)
+        lens = lens.to(device, non_blocking=True)
+        B = len(chunk)
+        self.cu_seqlens_q, self.cache_seqlens = lens[:B + 1], lens[B + 1:]
+        self.max_seqlen_q = max(chunk)
+        self.no_prefix = not any(shape.prefix_lens)
+        self.page_table = page_table if page_table.dtype == torch.int32 else page_table.to(torch.int32)
+        self.sm_scale = shape.sm_scale
+        self.dtype = shape.dtype
+
+    def run(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, out: torch.Tensor | None = None,
+            chunk_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """q [T, H_q, D] against each request's context; `chunk_kv` (the chunk's K/V [T, H_kv, D]) is read in a
+        pass with no cached prefix when given in q's dtype, else the pool."""
+        if self.no_prefix and chunk_kv is not None and chunk_kv[0].dtype == q.dtype == self.dtype:
+            return self._varlen(q, chunk_kv[0], chunk_kv[1], self.cu_seqlens_q, self.cu_seqlens_q, self.max_seqlen_q,
+                                self.max_seqlen_q, softmax_scale=self.sm_scale, causal=True, out=out)
+        return self._paged(q=q, k_cache=k_pool.transpose(1, 2), v_cache=v_pool.transpose(1, 2),
+                           page_table=self.page_table, cache_seqlens=self.cache_seqlens,
+                           cu_seqlens_q=self.cu_seqlens_q, max_seqlen_q=self.max_seqlen_q,
+                           softmax_scale=self.sm_scale, causal=True, out=out)
