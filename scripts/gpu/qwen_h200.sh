@@ -10,7 +10,8 @@
 #       a fresh machine): send it with the last piece's call so the next call's time goes to its job
 #   bash scripts/gpu/qwen_h200.sh dense-check [serving_check.py flags]    compact's dense path on Qwen's shapes:
 #       the executor's GPU test through a 32K prompt, then `compact --compact-selector dense` (fa2 and auto)
-#       against stock token for token at 4K-32K, page 32, chunk 1024 (results in $OUT/qwen_dense.tgz)
+#       against stock `flashinfer` and stock `fa3` token for token at 4K-32K, page 32, chunk 1024 (results in
+#       $OUT/qwen_dense.tgz)
 # Under an outer `timeout`, a job cut short still stops its servers and tars what it wrote (the SIGTERM trap).
 set -uo pipefail
 JOB=ttft
@@ -55,7 +56,8 @@ if [[ $JOB == dense-check ]]; then
     > $R/gpu_test.log 2>&1
   echo "gpu tests: $(tail -1 $R/gpu_test.log)"; grep -E "^FAILED|qwen dense .* rel_err=[^0]" $R/gpu_test.log | head
   timeout ${DENSE_CHECK_S:-380} python3 scripts/gpu/serving_check.py --model-path /tmp/qwen --page-size 32 --chunk 1024 \
-    --lengths 4096,16384,32000,32000,32000 --new-tokens 16 --dense-kernels fa2,auto --skip long,concurrent,tight \
+    --lengths 4096,16384,32000,32000,32000 --new-tokens 16 --dense-kernels fa2,auto --stock flashinfer,fa3 \
+    --skip long,concurrent,tight \
     --out $R "$@" > $R/run.log 2>&1
   echo "serving_check: exit $?"
   python3 - <<'PY'

@@ -6,9 +6,11 @@ Starts SGLang servers one after another on a Llama-3.1-8B config with dummy
 weights (`--load-format dummy --skip-tokenizer-init`, page 64), with SGLang's default
 (breakable) prefill CUDA graphs unless --no-prefill-graphs:
   1. stock `--attention-backend flashinfer`: greedy ids of N prompts (4K-32K tokens);
-  2. `compact` with selector `dense`, once per `--dense-kernels` entry (default fa2, stock's kernels; `auto` is
-     the default configuration: fa3 dense passes on Hopper): the same prompts, compared token for token (at a
-     divergence, the top-2 logprob gap of both servers is recorded);
+  2. `compact` with selector `dense`, once per `--dense-kernels` entry (default fa2: dense passes on FlashInfer's
+     fa2, stock `flashinfer`'s kernels; `auto` is the default configuration: sgl_kernel's FA3 on Hopper, the kernel
+     stock `fa3` runs), the same prompts, compared token for token with each stock server of `--stock` (stock
+     `flashinfer` by default; `fa3` needs sgl_kernel's FA3 library) (at a divergence, the top-2 logprob gap of
+     both servers is recorded);
   3. `compact` with `flashprefill`: a 128K-token prompt with chunk 1024 (and a
      second server with chunk 8192), decode CUDA graphs on; 32 concurrent
      requests sharing prefixes; after a cache flush the pool's used-token count
@@ -24,7 +26,8 @@ With `--model-path DIR` the servers load real weights from DIR (e.g. Qwen2.5-Cod
 scripts/convert_gguf.py) instead of the dummy 8B config; `--page-size`, `--chunk` and `--lengths` set the
 dense step's shapes. The check that found compact's dense path wrong on Qwen at 32K (2026-12-02) is
     python3 scripts/gpu/serving_check.py --model-path /tmp/qwen --page-size 32 --chunk 1024 \
-        --lengths 4096,16384,32000,32000,32000 --dense-kernels fa2,auto --skip long,concurrent,tight
+        --lengths 4096,16384,32000,32000,32000 --dense-kernels fa2,auto --stock flashinfer,fa3 \
+        --skip long,concurrent,tight
 """
 
 from __future__ import annotations
@@ -110,8 +113,12 @@ def main() -> None:
     ap.add_argument("--lengths", default=None, help="comma list of the dense step's prompt lengths "
                     "(default: 10 from 4K to 32K, the first --prompts of them)")
     ap.add_argument("--dense-kernels", default="fa2",
-                    help="comma list of --compact-prefill-kernel values the dense step compares with stock "
-                         "(fa2, fa3, auto)")
+                    help="comma list of compact configurations the dense step compares with stock: fa2 / fa3 "
+                         "(--compact-prefill-kernel, dense passes on FlashInfer), sgl-fa3 (--compact-dense-kernel "
+                         "sgl-fa3), auto (the defaults)")
+    ap.add_argument("--stock", default="flashinfer",
+                    help="comma list of stock --attention-backend values the dense step compares with (flashinfer, "
+                         "fa3; the CPU server runs torch_native)")
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
                     help="cpu: the CPU server in float32 (a smoke check of the dense step on a small model)")
     a = ap.parse_args()
@@ -148,19 +155,24 @@ def main() -> None:
         chunk = ["--chunked-prefill-size", str(a.chunk)]
         if a.model_path and max(lengths) > 32000:
             chunk += ["--context-length", str(max(lengths) + a.new_tokens + 64)]
-        stock = "flashinfer" if a.device == "cuda" else "torch_native"   # SGLang's CPU server runs torch_native
-        srv = start_server("sglang.launch_server", model, common + chunk + ["--attention-backend", stock],
-                           out / "fi.log")
-        try:
-            want = [generate(srv, p, a.new_tokens, logprobs=True) for p in prompts]
-        finally:
-            srv.stop()
+        stocks = a.stock.split(",") if a.device == "cuda" else ["torch_native"]   # SGLang's CPU server: torch_native
+        wants = {}
+        for stock in stocks:
+            srv = start_server("sglang.launch_server", model, common + chunk + ["--attention-backend", stock],
+                               out / ("fi.log" if stock == "flashinfer" else f"stock_{stock}.log"))
+            try:
+                wants[stock] = [generate(srv, p, a.new_tokens, logprobs=True) for p in prompts]
+            finally:
+                srv.stop()
         for kernel in a.dense_kernels.split(","):
-            # on stock's kernels (fa2) equal numbers, not just equal tokens, are expected
-            report["steps"][f"dense_vs_flashinfer_{kernel}"] = dense_step(
-                model, common + chunk + ["--attention-backend", "compact", "--compact-selector", "dense",
-                                         "--compact-prefill-kernel", kernel],
-                out / f"compact_dense_{kernel}.log", lengths, prompts, want, a.new_tokens)
+            # on stock's kernels (fa2 against flashinfer, sgl-fa3 against fa3) equal numbers, not just equal
+            # tokens, are expected
+            got = dense_answers(model, common + chunk + ["--attention-backend", "compact", "--compact-selector",
+                                                         "dense"] + DENSE_KERNEL_FLAGS.get(kernel, []),
+                                out / f"compact_dense_{kernel}.log", prompts, a.new_tokens)
+            for stock, want in wants.items():
+                name = "flashinfer" if stock == "torch_native" else stock   # the CPU smoke check's old step name
+                report["steps"][f"dense_vs_{name}_{kernel}"] = compare(got, lengths, want, len(prompts))
             save()
 
     if "long" not in skip:
@@ -203,33 +215,54 @@ def main() -> None:
     print(json.dumps(report, indent=1)[-6000:])
 
 
-def dense_step(model, args: list[str], log: Path, lengths, prompts, want, new_tokens: int) -> dict:
-    """One compact server (`args`) on the dense step's prompts against stock's answers (`want`): per prompt whether
-    the tokens are equal, where they first differ and both servers' top-2 gap there; a server that dies is
-    recorded (its log's last lines), not raised, so the other kernels still run."""
-    rows = []
+#: the compact flags of each `--dense-kernels` entry (dense passes on FlashInfer unless the entry names sgl-fa3)
+DENSE_KERNEL_FLAGS = {
+    "fa2": ["--compact-prefill-kernel", "fa2", "--compact-dense-kernel", "flashinfer"],
+    "fa3": ["--compact-prefill-kernel", "fa3", "--compact-dense-kernel", "flashinfer"],
+    "sgl-fa3": ["--compact-dense-kernel", "sgl-fa3"],
+    "auto": [],
+}
+
+
+def dense_answers(model, args: list[str], log: Path, prompts, new_tokens: int) -> dict:
+    """One compact server (`args`) on the dense step's prompts: {"results": its answers, in order, up to the first
+    that failed}, with "error" (and its log's last lines) when it did not start or a request failed: recorded,
+    not raised, so the other kernels still run."""
     try:
         srv = start_server("sglang_compact.launch_server", model, args, log)
     except Exception as e:  # noqa: BLE001
-        return {"error": f"start: {type(e).__name__}: {e}", "log_tail": tail(log, 3000)}
+        return {"results": [], "error": f"start: {type(e).__name__}: {e}", "log_tail": tail(log, 3000)}
+    got = {"results": []}
     try:
-        for L, p, w in zip(lengths, prompts, want):
+        for p in prompts:
             try:
-                g = generate(srv, p, new_tokens, logprobs=True)
+                got["results"].append(generate(srv, p, new_tokens, logprobs=True))
             except Exception as e:  # noqa: BLE001
-                rows.append({"len": L, "equal": False, "error": f"{type(e).__name__}: {e}"})
+                got.update(error=f"{type(e).__name__}: {e}", log_tail=tail(log, 3000))
                 break
-            wi, gi = w.output_ids, g.output_ids
-            k = next((i for i, (x, y) in enumerate(zip(wi, gi)) if x != y), None)
-            rows.append({"len": L, "equal": wi == gi, "first_divergence": k,
-                         "gap_flashinfer": None if k is None else top2_gap(w.meta_info, k),
-                         "gap_compact": None if k is None else top2_gap(g.meta_info, k),
-                         "fi_s": round(w.seconds, 3), "compact_s": round(g.seconds, 3)})
     finally:
         srv.stop()
-    step = {"rows": rows, "equal": sum(r["equal"] for r in rows), "n": len(prompts)}
-    if any("error" in r for r in rows):
-        step["log_tail"] = tail(log, 3000)
+    return got
+
+
+def compare(got: dict, lengths, want, n: int) -> dict:
+    """A compact server's answers (`dense_answers`) against one stock server's (`want`): per prompt whether the
+    tokens are equal, where they first differ and both servers' top-2 gap there."""
+    if "error" in got and not got["results"] and got["error"].startswith("start:"):
+        return {"error": got["error"], "log_tail": got["log_tail"]}
+    rows = []
+    for L, w, g in zip(lengths, want, got["results"]):
+        wi, gi = w.output_ids, g.output_ids
+        k = next((i for i, (x, y) in enumerate(zip(wi, gi)) if x != y), None)
+        rows.append({"len": L, "equal": wi == gi, "first_divergence": k,
+                     "gap_flashinfer": None if k is None else top2_gap(w.meta_info, k),
+                     "gap_compact": None if k is None else top2_gap(g.meta_info, k),
+                     "fi_s": round(w.seconds, 3), "compact_s": round(g.seconds, 3)})
+    if "error" in got:
+        rows.append({"len": lengths[len(rows)], "equal": False, "error": got["error"]})
+    step = {"rows": rows, "equal": sum(r["equal"] for r in rows), "n": n}
+    if "error" in got:
+        step["log_tail"] = got["log_tail"]
     return step
 
 

@@ -10,7 +10,7 @@ python3 - <<'PY'
 import json
 r = json.load(open("/tmp/res/serving/serving_check.json"))
 for name, step in r["steps"].items():
-    if name.startswith("dense_vs_flashinfer"):
+    if name.startswith("dense_vs_"):
         print(name, f"{step.get('equal', 0)}/{step.get('n', '?')} equal;", step.get("error", ""),
               [(x["len"], x.get("error") or (x["first_divergence"], x["gap_flashinfer"], x["gap_compact"]))
                for x in step.get("rows", []) if not x["equal"]])
