@@ -41,8 +41,8 @@ import torch
 
 from sglang_compact.batch import ChunkBatch, host_cumsum
 from sglang_compact.executors import flashinfer_adapter as fi
-from sglang_compact.executors.sgl_fa3 import FA3DensePass
 from sglang_compact.executors.base import ForwardShape, rows_from_tokens, tokens_from_rows
+from sglang_compact.executors.sgl_fa3 import FA3DensePass
 from sglang_compact.indices import IndexBuffers, PagedIndices
 
 DEFAULT_WORKSPACE_BYTES = 256 * 1024 * 1024
