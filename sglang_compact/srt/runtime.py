@@ -22,11 +22,15 @@ from sglang_compact.srt.telemetry import CompactTelemetry, metrics_for
 logger = logging.getLogger(__name__)
 
 
+def is_hopper(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
+
+
 def resolve_prefill_kernel(config: CompactConfig, device: torch.device, dtype: torch.dtype) -> str:
     """The FlashInfer kernel for `config.prefill_kernel` on this device: "fa2", "fa3" (rows on fa3 even when
     their lengths vary: planned per layer) or "fa3-auto" (fa3 where one plan serves every layer, fa2 rows
     otherwise)."""
-    hopper = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
+    hopper = is_hopper(device)
     want = config.prefill_kernel
     if want == "auto":
         return "fa3-auto" if hopper and dtype != torch.float32 else "fa2"
@@ -53,7 +57,7 @@ def resolve_dense_kernel(config: CompactConfig, device: torch.device, dtype: tor
         return "sgl-fa3"
     if want == "sgl-fa3":
         raise UnsupportedModelError(f"--compact-dense-kernel sgl-fa3: {why}; use auto or flashinfer")
-    if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9:
+    if is_hopper(device):
         logger.warning("sglang_compact: dense passes run on FlashInfer, not on the FA3 kernel stock SGLang runs by "
                        "default on Hopper: %s", why)
     return "flashinfer"
