@@ -19,7 +19,11 @@ the servers (rep 1 of every server, then rep 2, ...; each round timed alone, the
 concurrent requests with fresh random prompts (no radix-cache hits) and `max_new_tokens=1`; the TTFT of a
 round is its slowest request; the row takes the median, and against `flashinfer` also the per-round ratio
 (round i of the one over round i of the other: its median and an order-statistic interval, `round_ratios`;
-marked when the two servers were not in one group of interleaved rounds). With
+marked when the two servers were not in one group of interleaved rounds). `--starts N` starts every group
+N times in turn and pools the rounds of all starts (each start's median is kept in `ms_per_start`): on a
+host-bound model (Qwen2.5-0.5B at chunk 1024) one configuration's TTFT moves between server processes by more
+than the do-no-harm margin, so a ratio from one process per method ranks processes, not methods.
+`--warmup-rounds K` adds K untimed rounds before each (context, batch). With
 `--profile-steps` one more round runs under SGLang's profiler and `scripts/trace_summary.py` summarises
 the trace (kernel launches and host time per layer). A compact
 server runs with `--enable-metrics`: the density of its round (mean over its sparse forward passes of
@@ -183,6 +187,18 @@ def compact_counters(srv) -> dict:
     return out
 
 
+def pooled_fields(got: dict, metered_server: bool, unread: bool) -> dict:
+    """A row's measured fields from the rounds of every start of one (chunk, context, batch, method): the
+    median over all of them (not the median of the starts' medians, so a start that timed fewer rounds weighs
+    less). Density fields are None for a compact server without metrics, 1.0 / 0.0 for stock."""
+    med = lambda xs: statistics.median(xs) if xs else None   # noqa: E731
+    return {"density": med(got["dens"]) if metered_server else None if unread else 1.0,
+            "sparse_qblocks": med(got["frac"]) if metered_server else None if unread else 0.0,
+            "dense_density_qblocks": med(got["fell"]) if metered_server else None if unread else 0.0,
+            "ms": 1000 * statistics.median(got["times"]),
+            "ms_all": [round(1000 * t, 1) for t in got["times"]]}
+
+
 def round_ratios(base_ms, ms, level: float = 0.95) -> dict | None:
     """The per-round ratio base / method of two servers timed in the same rounds (round i of each, one after the
     other): its median and a distribution-free interval for that median (order statistics; with few rounds the
@@ -221,6 +237,14 @@ def main() -> int:
                          "x head_dim x 2 bytes: Llama-3.1-8B at batch 8 x 128K is 8 x 132K x 32 x 2 x 4 x 128 x 2 "
                          "= 69 GB per rank at TP2, plus 8 GB of weights per rank")
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--starts", type=int, default=1,
+                    help="start each group of servers this many times, in turn (every group, then every group "
+                         "again): a row takes the median over the rounds of all starts and lists each start's "
+                         "median (ms_per_start). A host-bound model's TTFT moves between server processes of one "
+                         "configuration (up to 1.7x in session 41), which more rounds of one process do not average")
+    ap.add_argument("--warmup-rounds", type=int, default=0,
+                    help="untimed rounds at each (context, batch) before its timed ones (default 0: only the one "
+                         "warm-up request at the longest context)")
     ap.add_argument("--no-prefill-graphs", action="store_true", help="start every server with "
                     "--disable-prefill-cuda-graph (default: SGLang's breakable prefill CUDA graphs)")
     ap.add_argument("--extra-args", default="", help="more flags for every server")
@@ -249,6 +273,8 @@ def main() -> int:
     ap.add_argument("--dry-run", action="store_true", help="print the servers, their flags and the per-rank KV "
                     "memory, then exit")
     a = ap.parse_args()
+    if a.starts < 1 or a.warmup_rounds < 0 or a.reps < 1:
+        raise SystemExit("--starts and --reps must be >= 1, --warmup-rounds >= 0")
     if a.replot:
         return replot(a)
     t_start = time.time()
@@ -313,7 +339,9 @@ def main() -> int:
             done = list(ex.map(lambda p: generate(srv, p, 1), prompts))
             return time.time() - t0, sum(r.cached_tokens for r in done)
 
-    def measure(servers: dict, chunk: int, group: int) -> None:
+    samples: dict = {}   # (chunk, context, batch, method) -> the rounds of every start, pooled
+
+    def measure(servers: dict, chunk: int, group: int, start_no: int) -> None:
         """Every server of one chunk size, interleaved: for each (context, batch), rep after rep, each server
         times one round alone (the others idle), so drift over the run reaches every method alike."""
         for srv in servers.values():
@@ -321,50 +349,59 @@ def main() -> int:
             generate(srv, [rng.randrange(*vocab) for _ in range(max(contexts))], 1)
         for ctx in contexts:
             for bsz in batches:
+                for _ in range(a.warmup_rounds):
+                    for srv in servers.values():
+                        round_(srv, ctx, bsz)
+                got = {m: samples.setdefault((chunk, ctx, bsz, m), {
+                    "times": [], "cached": [], "dens": [], "frac": [], "fell": [], "per_start": [],
+                    "group": group, "start_s": []}) for m in servers}
                 times = {m: [] for m in servers}
-                cached = {m: [] for m in servers}
-                dens = {m: [] for m in servers}
-                frac = {m: [] for m in servers}
-                fell = {m: [] for m in servers}
                 for _ in range(a.reps):
                     for method, srv in servers.items():
                         compact = metered(method)
                         before = compact_counters(srv) if compact else None
                         seconds, hit = round_(srv, ctx, bsz)
                         times[method].append(seconds)
-                        cached[method].append(hit)
+                        got[method]["cached"].append(hit)
                         if compact:
                             after = compact_counters(srv)
                             dc = after["dcount"] - before["dcount"]
-                            dens[method].append((after["dsum"] - before["dsum"]) / dc if dc else 1.0)
+                            got[method]["dens"].append((after["dsum"] - before["dsum"]) / dc if dc else 1.0)
                             dq = after["qblocks"] - before["qblocks"]
-                            frac[method].append((after["sparse"] - before["sparse"]) / dq if dq else 0.0)
-                            fell[method].append((after["dense_density"] - before["dense_density"]) / dq if dq else 0.0)
+                            got[method]["frac"].append((after["sparse"] - before["sparse"]) / dq if dq else 0.0)
+                            got[method]["fell"].append(
+                                (after["dense_density"] - before["dense_density"]) / dq if dq else 0.0)
                 for method, srv in servers.items():
-                    compact = metered(method)
-                    unread = method.startswith("compact") and not compact   # a compact server without metrics
-                    row = {"bench": "ttft", "model": name, "context": ctx, "chunk": chunk, "batch": bsz,
-                           "tp": a.tp, "method": method,
-                           "density": statistics.median(dens[method]) if compact else None if unread else 1.0,
-                           "sparse_qblocks": statistics.median(frac[method]) if compact else None if unread else 0.0,
-                           "dense_density_qblocks": (statistics.median(fell[method]) if compact else
-                                                     None if unread else 0.0),
-                           "ms": 1000 * statistics.median(times[method]),
-                           "ms_all": [round(1000 * t, 1) for t in times[method]],
-                           "speedup_vs_flashinfer": None, "prefill_graphs": not a.no_prefill_graphs,
-                           "page_size": a.page_size, "server_start_s": round(srv.startup_seconds or 0, 1),
-                           "gpu": gpu, "date": date, "cmd": cmd, "group": group}
-                    if a.next_turn:
-                        row.update(next_turn=a.next_turn, answer_tokens=a.answer_tokens,
-                                   cached_tokens=statistics.median(cached[method]))
-                    rows.append(row)
-                    print(f"{method} chunk {chunk} ctx {ctx} batch {bsz}: {row['ms']:.1f} ms (all {row['ms_all']}) " +
-                          ("density not read" if unread else
-                           f"density {row['density']:.3f} sparse q-blocks {row['sparse_qblocks']:.2f} dense by density "
-                           f"{row['dense_density_qblocks']:.2f}"), flush=True)
+                    got[method]["times"] += times[method]
+                    got[method]["per_start"].append(1000 * statistics.median(times[method]))
+                    got[method]["start_s"].append(round(srv.startup_seconds or 0, 1))
+                    print(f"{method} chunk {chunk} ctx {ctx} batch {bsz} start {start_no + 1}: "
+                          f"{1000 * statistics.median(times[method]):.1f} ms "
+                          f"(all {[round(1000 * t, 1) for t in times[method]]})", flush=True)
                 if a.profile_steps:
                     for method, srv in servers.items():
                         profile(srv, method, chunk, ctx, bsz, statistics.median(times[method]))
+
+    def make_rows() -> None:
+        for (chunk, ctx, bsz, method), got in samples.items():
+            compact = metered(method)
+            unread = method.startswith("compact") and not compact   # a compact server without metrics
+            row = {"bench": "ttft", "model": name, "context": ctx, "chunk": chunk, "batch": bsz,
+                   "tp": a.tp, "method": method, **pooled_fields(got, compact, unread),
+                   "speedup_vs_flashinfer": None, "prefill_graphs": not a.no_prefill_graphs,
+                   "page_size": a.page_size, "server_start_s": got["start_s"][0],
+                   "gpu": gpu, "date": date, "cmd": cmd, "group": got["group"]}
+            if a.starts > 1:
+                row.update(starts=len(got["per_start"]), ms_per_start=[round(x, 1) for x in got["per_start"]],
+                           server_start_s_all=got["start_s"])
+            if a.next_turn:
+                row.update(next_turn=a.next_turn, answer_tokens=a.answer_tokens,
+                           cached_tokens=statistics.median(got["cached"]))
+            rows.append(row)
+            print(f"{method} chunk {chunk} ctx {ctx} batch {bsz}: {row['ms']:.1f} ms (all {row['ms_all']}) " +
+                  ("density not read" if unread else
+                   f"density {row['density']:.3f} sparse q-blocks {row['sparse_qblocks']:.2f} dense by density "
+                   f"{row['dense_density_qblocks']:.2f}"), flush=True)
 
     profiles = []
 
@@ -417,7 +454,8 @@ def main() -> int:
                 module, flags = method_args(m)
                 print(f"chunk {chunk} {m}: python3 -m {module} --model-path {model} --chunked-prefill-size {chunk} "
                       f"--tp {a.tp} {' '.join(flags)}")
-            print(f"  then per server: contexts {contexts} x batches {batches}, {a.reps} reps each")
+            print(f"  then per server: contexts {contexts} x batches {batches}, {a.reps} reps each"
+                  f"{f', each server started {a.starts} times' if a.starts > 1 else ''}")
         return 0
     group_id = 0   # servers timed in one group had their rounds interleaved
     for chunk in chunks:
@@ -426,25 +464,29 @@ def main() -> int:
             continue
         n = 1 if a.sequential else (a.side_by_side or len(methods))
         groups = [methods[i:i + n] for i in range(0, len(methods), n)]
-        for group in groups:
-            group_id += 1
-            if a.deadline_s and time.time() - t_start > a.deadline_s:
-                print(f"deadline reached; skipping chunk {chunk} {group}", flush=True)
-                continue
-            with cf.ThreadPoolExecutor(len(group)) as ex:
-                futures = {m: ex.submit(start, m, chunk) for m in group}
-            servers = {}
-            for m, f in futures.items():
+        first_group = group_id + 1
+        for start_no in range(a.starts):
+            for gi, group in enumerate(groups):
+                # the same group in every start: its servers' rounds were interleaved in each of them
+                group_id = first_group + gi
+                if a.deadline_s and time.time() - t_start > a.deadline_s:
+                    print(f"deadline reached; skipping chunk {chunk} {group} (start {start_no + 1})", flush=True)
+                    continue
+                with cf.ThreadPoolExecutor(len(group)) as ex:
+                    futures = {m: ex.submit(start, m, chunk) for m in group}
+                servers = {}
+                for m, f in futures.items():
+                    try:
+                        servers[m] = f.result()
+                    except Exception as e:  # noqa: BLE001
+                        print(f"{m} chunk {chunk}: server failed: {e}", flush=True)
                 try:
-                    servers[m] = f.result()
-                except Exception as e:  # noqa: BLE001
-                    print(f"{m} chunk {chunk}: server failed: {e}", flush=True)
-            try:
-                if servers and not (a.deadline_s and time.time() - t_start > a.deadline_s):
-                    measure(servers, chunk, group_id)
-            finally:
-                for srv in servers.values():
-                    srv.stop()
+                    if servers and not (a.deadline_s and time.time() - t_start > a.deadline_s):
+                        measure(servers, chunk, group_id, start_no)
+                finally:
+                    for srv in servers.values():
+                        srv.stop()
+    make_rows()
     for r in rows:
         base = [x for x in rows if x["method"] == "flashinfer" and all(
             x[k] == r[k] for k in ("model", "context", "chunk", "batch", "tp"))]
@@ -470,8 +512,11 @@ def main() -> int:
             f"{rr['median']:.2f} [{rr['lo']:.2f}, {rr['hi']:.2f}] ({rr['coverage']:.0%}"
             f"{'' if r['interleaved_with_flashinfer'] else ', not interleaved'})")
         num = lambda x: "n/a" if x is None else f"{x:.2f}"   # noqa: E731  (a compact server without metrics)
+        per_start = lambda r: (" (starts: " + " / ".join(f"{x:.1f}" for x in r["ms_per_start"]) + ")"  # noqa: E731
+                               if r.get("ms_per_start") else "")
         lines.append(f"| {r['context']} | {r['chunk']} | {r['batch']} | {r['method']} | {num(r['density'])} | "
-                     f"{num(r['sparse_qblocks'])} | {num(r.get('dense_density_qblocks', 0.0))} | {r['ms']:.1f} | "
+                     f"{num(r['sparse_qblocks'])} | {num(r.get('dense_density_qblocks', 0.0))} | {r['ms']:.1f}"
+                     f"{per_start(r)} | "
                      f"{sp} | {paired} |" + (f" {r['cached_tokens']:.0f} |" if a.next_turn else ""))
     (out / f"{a.name}.md").write_text("\n".join(lines) + "\n")
     if profiles:

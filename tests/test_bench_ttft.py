@@ -10,7 +10,8 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from bench_ttft import COMPACT, STOCK, metered, method_args, method_env, round_ratios, split_methods  # noqa: E402
+from bench_ttft import (COMPACT, STOCK, metered, method_args, method_env, pooled_fields, round_ratios,  # noqa: E402
+                        split_methods)
 
 
 def test_method_names():
@@ -75,6 +76,26 @@ def test_round_ratios_pair_the_rounds_and_bound_their_median():
     r = round_ratios(base, [100.0 + (7 * i) % 20 for i in range(20)])
     assert ratios[0] < r["lo"] <= r["median"] <= r["hi"] < ratios[-1]   # 20 rounds: an inner interval
     assert round_ratios([], []) is None and round_ratios([1.0, 2.0], [1.0])["rounds"] == 1
+
+
+def test_a_row_pools_the_rounds_of_every_server_start():
+    """--starts: one median over the rounds of all starts (a slow process and a fast one, as host-bound servers
+    give, land between them), not the first start's; density fields by kind of server."""
+    got = {"times": [0.106, 0.106, 0.105, 0.058, 0.060, 0.059, 0.061, 0.062, 0.057], "dens": [1.0] * 9,
+           "frac": [0.0] * 9, "fell": [0.0] * 9}
+    row = pooled_fields(got, metered_server=True, unread=False)
+    assert row["ms"] == pytest.approx(61.0) and len(row["ms_all"]) == 9 and row["density"] == 1.0
+    stock = pooled_fields({**got, "dens": [], "frac": [], "fell": []}, metered_server=False, unread=False)
+    assert stock["density"] == 1.0 and stock["sparse_qblocks"] == 0.0
+    bare = pooled_fields({**got, "dens": [], "frac": [], "fell": []}, metered_server=False, unread=True)
+    assert bare["density"] is None and bare["dense_density_qblocks"] is None
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_ttft.py"), "--model", "qwen2.5-0.5b",
+                        "--contexts", "4096", "--chunks", "1024", "--starts", "3", "--warmup-rounds", "2",
+                        "--methods", "flashinfer,compact", "--dry-run"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "each server started 3 times" in r.stdout, r.stderr
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_ttft.py"), "--model", "qwen2.5-0.5b",
+                        "--starts", "0", "--dry-run"], capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "--starts and --reps must be >= 1" in r.stderr
 
 
 def test_dry_run_prints_the_plan_and_the_kv_per_rank():

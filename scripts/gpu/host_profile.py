@@ -25,8 +25,9 @@ without summaries, the ragged run on fa3 and fa2), the same with the cached Trit
 layer (its `store_cache` into an NHD pool, then FlashInfer's fa2 ragged wrapper planned once). Where sgl_kernel's
 FA3 library loads (on the GPU host after pieces c01-c04), stock `fa3`'s layer too, SGLang's default on Hopper (the
 same store, then Tri Dao's FA3 over the paged NHD cache, as `FlashAttentionBackend.forward_extend` runs it),
-FA3's varlen kernel on the chunk's K/V, and our layer with dense passes on that kernel (`dense_fa3`, the default
-where it runs: `sglang_compact/executors/sgl_fa3.py`); the attention kernels alone as well, so a gap between our dense pass and
+FA3's varlen kernel on the chunk's K/V (faster, but rounding unlike stock's call), and our layer with dense passes
+making stock's FA3 call (`dense_fa3`, the default where it runs: `sglang_compact/executors/sgl_fa3.py`); the
+attention kernels alone as well, so a gap between our dense pass and
 stock `fa3`'s can be put on the kernel or on the rest. Each also gets its GPU time per layer (the profiler's kernel
 time) beside the host time, each variant that returns the attention output its max abs error against the
 plain-torch fp32 reference the GPU tests use (`causal_context_attention`; the run fails above `DENSE_TOL`), and the

@@ -199,11 +199,12 @@ class FlashInferExecutor:
                   out: torch.Tensor | None = None, chunk_kv: tuple[torch.Tensor, torch.Tensor] | None = None
                   ) -> torch.Tensor:
         """A dense pass's layer: q [T, H_q, D] against the contexts in the pool (the chunk's K/V stored).
-        `chunk_kv`: the chunk's own K/V [T, H_kv, D], which a pass with no cached prefix attends to directly."""
+        `chunk_kv`: the chunk's own K/V [T, H_kv, D], which a pass with no cached prefix on FlashInfer attends to
+        directly (stock `flashinfer`'s ragged kernel); FA3 reads the pool in every pass, as stock `fa3` does."""
         if self.mode != "dense":
             raise RuntimeError(f"{type(self).__name__}.run_dense in a {self.mode} forward pass")
         if self._fa3_dense is not None:
-            return self._fa3_dense.run(q, k_pool, v_pool, out=out, chunk_kv=chunk_kv)
+            return self._fa3_dense.run(q, k_pool, v_pool, out=out)
         if self._dense_ragged is not None:
             if chunk_kv is not None and chunk_kv[0].dtype == q.dtype == self.shape.dtype:
                 return self._dense_ragged.run(q, chunk_kv[0], chunk_kv[1], out=out)
