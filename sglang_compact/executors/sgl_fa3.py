@@ -72,7 +72,6 @@ class FA3DensePass:
         self.max_seqlen_q = max(chunk)
         self.page_table = page_table if page_table.dtype == torch.int32 else page_table.to(torch.int32)
         self.sm_scale = shape.sm_scale
-        self.dtype = shape.dtype
 
     def run(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
             out: torch.Tensor | None = None) -> torch.Tensor:
