@@ -241,7 +241,8 @@ def main() -> int:
                     help="start each group of servers this many times, in turn (every group, then every group "
                          "again): a row takes the median over the rounds of all starts and lists each start's "
                          "median (ms_per_start). A host-bound model's TTFT moves between server processes of one "
-                         "configuration (1.4x at Qwen 8K chunk 1024 in session 41), which more rounds of one process do not average")
+                         "configuration (1.4x at Qwen 8K chunk 1024 in session 41), which more rounds of one "
+                         "process do not average")
     ap.add_argument("--warmup-rounds", type=int, default=0,
                     help="untimed rounds at each (context, batch) before its timed ones (default 0: only the one "
                          "warm-up request at the longest context)")
