@@ -255,8 +255,8 @@ def sgl_fa3_or_skip():
     why = unavailable_reason(torch.device(DEV), torch.bfloat16, 64)
     if why is not None:
         pytest.skip(why)
-    from sgl_kernel.flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
-    return flash_attn_varlen_func, flash_attn_with_kvcache
+    from sgl_kernel.flash_attn import flash_attn_with_kvcache
+    return flash_attn_with_kvcache
 
 
 @pytest.mark.parametrize("kernel", ["fa2", "fa3-auto"])
@@ -267,7 +267,7 @@ def test_dense_pass_on_sgl_fa3_is_stock_fa3s_kernel(kernel, hq, hkv, d, page, pr
     request without one in the batch): bit for bit FA3 over a token-major copy of the pool, the layout stock
     reads (ours reads the head-major pool in place), even where the chunk's own K/V is handed over. Every layer
     of the pass under one plan, into a given output buffer, against the plain-torch reference."""
-    _, with_kvcache = sgl_fa3_or_skip()
+    with_kvcache = sgl_fa3_or_skip()
     b = gpu_batch(prefix, [1024, 300, 517], hq, hkv, d, seed=31, page=page, sparse_ranges=[(0, 0)] * 3)
     ex = make_flashinfer_executor(kernel, DEV, max_rows=b.num_rows, max_indices=b.num_rows * b.qblocks.max_pages,
                                   dense_fa3=True)
