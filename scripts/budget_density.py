@@ -92,7 +92,7 @@ def main(argv=None) -> None:
         for mc in a.min_context:
             config = CompactConfig(block_size=a.page_size, selector=a.selector, selector_params=overrides,
                                    min_context=mc, dense_tail=a.dense_tail, sink_blocks=a.sink_blocks,
-                                   recent_blocks=a.recent_blocks)
+                                   recent_blocks=a.recent_blocks).at_chunk(a.chunk)
             for E in a.lengths:
                 d = prompt_densities(config, E, a.chunk, a.dense_above)
                 pp = "-" if d["per_pass"] is None else f"{d['per_pass']:.3f}"

@@ -183,6 +183,12 @@ class CompactConfig:
         """The selector's parameters (its typed dataclass)."""
         return self.selector_params
 
+    def at_chunk(self, chunk_size: int | None) -> "CompactConfig":
+        """This configuration as a server with this chunked-prefill size runs it (None or <= 0: chunked prefill
+        off): the selector's parameters resolved for the chunk size (`SelectorParams.at_chunk`)."""
+        params = self.params.at_chunk(chunk_size)
+        return self if params is self.params else self.replace(selector_params=params)
+
     def replace(self, **changes: Any) -> "CompactConfig":
         if "selector" in changes and "selector_params" not in changes:
             changes["selector_params"] = {}

@@ -243,3 +243,47 @@ def test_features_that_write_kv_outside_the_backend_are_refused():
                          (dict(enable_prefill_cp=True), "--enable-prefill-cp")]:
         with pytest.raises(UnsupportedModelError, match=flag):
             check_server_features(SimpleNamespace(**{**stock, **change}))
+
+
+def test_the_default_reads_a_larger_share_from_chunk_8192():
+    """`quest_budget`'s `chunk_density` ('8192:0.33'): a server whose chunked-prefill size is 8192 or more (or off)
+    keeps 0.33 of each row's pages, below it 0.25; the cost gate prices the resolved share."""
+    from sglang_compact.gate import Gate, ModelShape
+
+    cfg = CompactConfig(block_size=32)
+    assert cfg.params.chunk_density == "8192:0.33"
+    got = {chunk: cfg.at_chunk(chunk).params.density for chunk in (256, 1024, 4096, 8191, 8192, 16384, None, -1)}
+    assert got == {256: 0.25, 1024: 0.25, 4096: 0.25, 8191: 0.25, 8192: 0.33, 16384: 0.33, None: 0.33, -1: 0.33}
+    assert cfg.at_chunk(1024) is cfg and cfg.at_chunk(8192).at_chunk(8192) == cfg.at_chunk(8192)
+    assert "density=0.33, " in cfg.at_chunk(8192).describe()      # the server's start line
+    for chunk, share in ((1024, 0.25), (8192, 0.33)):
+        gate = Gate.for_server(cfg.at_chunk(chunk), ModelShape(14, 2, 64, 32), chunk, "NVIDIA H200", "fa3", 32768,
+                               "fa3", num_layers=24, capability="9.0", multiprocessors=132)
+        assert f"expected density {share} " in gate.describe()
+    steps = CompactConfig(selector="budget", selector_params={"density": 0.2, "chunk_density": "4096:0.3,16384:0.4"})
+    assert [steps.at_chunk(c).params.density for c in (1024, 4096, 8192, 16384, None)] == [0.2, 0.3, 0.3, 0.4, 0.4]
+    assert CompactConfig(selector="budget").at_chunk(8192).params.density == 0.3   # no rule: `density` everywhere
+
+
+def test_a_density_given_alone_holds_at_every_chunk_size():
+    """Asking for `density` by name (flags, method specs, programs) turns the default's chunk rule off, unless
+    `chunk_density` is given too; an instance keeps what it holds."""
+    only = CompactConfig(selector_params={"density": 0.2})
+    assert only.params.chunk_density is None and only.at_chunk(8192).params.density == 0.2
+    both = CompactConfig(selector_params={"density": 0.2, "chunk_density": "8192:0.4"})
+    assert both.at_chunk(1024).params.density == 0.2 and both.at_chunk(8192).params.density == 0.4
+    again = CompactConfig(selector_params=both.params)
+    assert again.params == both.params
+    from sglang_compact.srt.args import build_config, split_args
+    for flags in (["--compact-selector-params", '{"density": 0.2}'], ["--compact-density", "0.2"]):
+        ns, _ = split_args(flags)
+        assert build_config(ns, 64).at_chunk(8192).params.density == 0.2
+
+
+@pytest.mark.parametrize("text,match", [("8192", "tokens:fraction"), ("8192:1.5", "tokens:fraction"),
+                                        ("0:0.3", "tokens:fraction"), ("x:0.3", "tokens:fraction"),
+                                        ("8192:0.3,8192:0.4", "chunk size 8192 is given twice")])
+def test_chunk_density_is_checked_when_configured(text, match):
+    for selector in ("budget", "mass_budget", "quest_budget"):
+        with pytest.raises(ValueError, match=r"CompactConfig.selector_params: chunk_density: .*" + match):
+            CompactConfig(selector=selector, selector_params={"chunk_density": text})

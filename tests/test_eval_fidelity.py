@@ -97,7 +97,7 @@ def test_recall_and_error_against_a_direct_computation(tiny):
     model, ids = tiny
     lq = F.capture_qkv(model, ids)[1]
     m = F.parse_method("compact:budget:density=0.3,dense_tail=0")
-    cfg = m.config(PAGE, 1, 1, CHUNK)
+    cfg = m.config(PAGE, 1, 1, CHUNK, CHUNK)
     G = 2
     recalls, errs = [], []
     for s, e in [(64, 128), (128, 192), (192, 256)]:
@@ -174,7 +174,7 @@ def test_density_cap_is_a_server_param_and_the_replay_caps_the_oracle(tiny):
     args = compact_server_args(m.selector, dict(m.params), 64, 1, 1)
     assert args[args.index("--compact-density-cap") + 1] == "0.35"
     assert json.loads(args[args.index("--compact-selector-params") + 1]) == {"top_p": 1}
-    assert m.config(PAGE, 1, 1, CHUNK).density_cap == 0.35
+    assert m.config(PAGE, 1, 1, CHUNK, CHUNK).density_cap == 0.35
     assert F.parse_method("compact:oracle").density_cap is None
     with pytest.raises(ValueError, match=r"density_cap must be a density in \(0, 1\]"):
         F.parse_method("compact:oracle:density_cap=0")
@@ -233,8 +233,8 @@ def test_rows_fixed_at_the_observing_layer_are_replayed_as_served(four_layers):
     kw = dict(chunk=CHUNK, page_size=PAGE, min_context=CHUNK, sink_blocks=1, recent_blocks=1)
     r = F.simulate(layers, [mf, mfree], **kw)
     pf, pfree = r.per_layer[mf.label], r.per_layer[mfree.label]
-    assert [F.layer_role(mf, mf.config(PAGE, 1, 1, CHUNK), i) for i in range(4)] == ["dense", "observe", "fill", "fill"]
-    assert F.layer_role(mfree, mfree.config(PAGE, 1, 1, CHUNK), 0) == "select"
+    assert [F.layer_role(mf, mf.config(PAGE, 1, 1, CHUNK, CHUNK), i) for i in range(4)] == ["dense", "observe", "fill", "fill"]
+    assert F.layer_role(mfree, mfree.config(PAGE, 1, 1, CHUNK, CHUNK), 0) == "select"
     assert pf["density"][0] == 1.0 and pf["rel_err"][0] == 0.0 and pf["recall"][0] == pytest.approx(1.0)
     assert pfree["density"][0] < 1.0
     assert pf["density"][1] == pytest.approx(pfree["density"][1], abs=1e-12)
@@ -243,7 +243,7 @@ def test_rows_fixed_at_the_observing_layer_are_replayed_as_served(four_layers):
     assert pf["density"][3] == pytest.approx(pf["density"][1], abs=1e-12)
     assert any(abs(pfree["density"][i] - pfree["density"][1]) > 1e-6 for i in (2, 3))   # free layers differ
     # one chunk directly: the fill keeps each row's count, not the rows' pages; without the counts it refuses
-    m_cfg = mf.config(PAGE, 1, 1, CHUNK)
+    m_cfg = mf.config(PAGE, 1, 1, CHUNK, CHUNK)
     engine = F.CompactAttention(m_cfg)
     gate = mf.gate(m_cfg, CHUNK)
     b1 = F.chunk_batch(layers[1].q[128:192], layers[1].k, layers[1].v, 128, PAGE, layers[1].scale, gate, T)
@@ -348,3 +348,22 @@ def test_layer_density_in_method_specs_and_the_server_flags():
         F.parse_method("compact:budget:layer_density=3")
     with pytest.raises(ValueError, match="layer_density"):
         F.parse_method("compact:flashprefill:layer_density=3:0.5")     # not a flashprefill parameter
+
+
+def test_accuracy_rows_record_the_share_the_server_runs_at_their_chunk():
+    """A row of the default selector records the `density` a server with the row's chunk size keeps (0.33 from
+    chunk 8192, `chunk_density`), so it pairs with a row that asked for that share by name; a share asked for
+    alone is recorded as given."""
+    from harness.eval.methods import compact_method_params
+
+    def recorded(params, chunk):
+        return compact_method_params("quest_budget", params, chunk=chunk, page_size=32, min_context=0,
+                                     sink_blocks=2, recent_blocks=4)[1]
+
+    assert recorded({}, 1024)["density"] == 0.25 and recorded({}, 8192)["density"] == 0.33
+    assert recorded({}, 8192) == recorded({"density": 0.33}, 8192)
+    assert recorded({"density": 0.2}, 8192)["density"] == 0.2
+    assert recorded({"density": 0.2, "chunk_density": "8192:0.4"}, 8192)["density"] == 0.4   # what runs
+    assert recorded({"density": 1}, 1024)["density"] == 1   # as given where it runs as given
+    m = F.parse_method("compact:quest_budget")
+    assert m.config(32, 2, 4, 0, 8192).params.density == 0.33 and m.config(32, 2, 4, 0, 1024).params.density == 0.25

@@ -10,6 +10,7 @@ SGLang's `/metrics`.
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import subprocess
@@ -308,7 +309,8 @@ def test_windows_that_select_densely_turn_dense_for_the_pass():
 def test_budget_density_replay_is_what_the_server_reports():
     """`scripts/budget_density.py` replays a fixed-budget selector's page counts on the host; a CPU server running
     that selector on one prompt reports the same two densities on `/metrics`: the mean over its sparse passes
-    (`compact_density_forward`) and the page-weighted one over every pass (`compact_prompt_pages*`)."""
+    (`compact_density_forward`) and the page-weighted one over every pass (`compact_prompt_pages*`). The share
+    comes from `chunk_density` at the server's chunk size, resolved once at start (`CompactConfig.at_chunk`)."""
     from budget_density import prompt_densities
     from convert_smollm2 import convert
 
@@ -317,13 +319,14 @@ def test_budget_density_replay_is_what_the_server_reports():
     model = convert(MODEL_DIR, "float32", quiet=True)
     rng = random.Random(11)
     ids = [rng.randrange(200, 40000) for _ in range(1000)]
-    params = {"density": 0.3, "min_pages": 12, "min_tokens": 0}
+    params = {"chunk_density": "64:0.3", "min_pages": 12, "min_tokens": 0}
     config = CompactConfig(block_size=16, selector="quest_budget", selector_params=params, min_context=256,
                            dense_tail=100, sink_blocks=2, recent_blocks=4)
-    replay = prompt_densities(config, len(ids), 128)
+    assert config.params.density == 0.25 and config.at_chunk(128).params.density == 0.3
+    replay = prompt_densities(config.at_chunk(128), len(ids), 128)
+    assert replay["per_pass"] != prompt_densities(config, len(ids), 128)["per_pass"]
     args = ["--attention-backend", "compact", "--compact-selector", "quest_budget", "--compact-selector-params",
-            '{"density": 0.3, "min_pages": 12, "min_tokens": 0}', "--compact-min-context", "256", "--compact-dense-tail", "100",
-            "--enable-metrics"]
+            json.dumps(params), "--compact-min-context", "256", "--compact-dense-tail", "100", "--enable-metrics"]
     with SGLangServer(model, module="sglang_compact.launch_server", page_size=16, chunked_prefill_size=128,
                       extra_args=args) as srv:
         before = parse_metrics(srv.get_text("/metrics"))

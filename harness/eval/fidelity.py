@@ -211,13 +211,15 @@ class Method:
             raise ValueError(f"{self.label}: dense_above (the server's observed-density fallback) is not modelled "
                              "offline; run it as a server method")
 
-    def config(self, page_size: int, sink_blocks: int, recent_blocks: int, min_context: int) -> CompactConfig:
+    def config(self, page_size: int, sink_blocks: int, recent_blocks: int, min_context: int,
+               chunk: int | None) -> CompactConfig:
+        """The configuration a server with this chunked-prefill size runs (`CompactConfig.at_chunk`)."""
         sparse = self.kind in ("compact", "blocksparse")
         return CompactConfig(block_size=page_size, selector=self.selector if sparse else "dense",
                              selector_params=self.selector_params if sparse else {},
                              sink_blocks=sink_blocks, recent_blocks=recent_blocks, min_context=min_context,
                              dense_tail=self.dense_tail, dense_layers=self.dense_layers if sparse else (),
-                             density_cap=self.density_cap if sparse else None)
+                             density_cap=self.density_cap if sparse else None).at_chunk(chunk)
 
     def gate(self, config: CompactConfig, chunk: int | None) -> Gate:
         """The windows this method runs sparse: from `config.min_context` on, outside the dense tail; none for
@@ -516,7 +518,7 @@ def _engines(methods: Sequence[Method], page_size: int, sink_blocks: int, recent
     out = {}
     for m in methods:
         m.check_replayable()
-        cfg = m.config(page_size, sink_blocks, recent_blocks, min_context)
+        cfg = m.config(page_size, sink_blocks, recent_blocks, min_context, chunk)
         out[m.label] = _Engine(m, cfg, m.gate(cfg, chunk),
                                CompactAttention(cfg) if m.kind in ("compact", "blocksparse") else None)
     return out

@@ -120,7 +120,7 @@ def generate(model, input_ids: Sequence[int], method: Method | str, *, max_new_t
         model.set_attn_implementation(CHUNKED_IMPL)
     m = parse_method(method) if isinstance(method, str) else method
     m.check_replayable()
-    cfg = m.config(page_size, sink_blocks, recent_blocks, min_context)
+    cfg = m.config(page_size, sink_blocks, recent_blocks, min_context, chunk)
     engine = CompactAttention(cfg) if m.kind in ("compact", "blocksparse") else None
     ids = list(input_ids)
     _STATE = _State(m, page_size, cfg, m.gate(cfg, chunk), len(ids), engine)

@@ -70,9 +70,13 @@ def compact_method_params(selector: str, params: dict[str, Any], *, chunk: int, 
     params = {} if selector == "dense" else {**params, "dense_tail": compact_method(selector, params).dense_tail}
     if selector in RECORDED_DEFAULTS:
         from sglang_compact.selectors.registry import selector_spec
-        defaults = {f.name: f.default for f in selector_spec(selector).params.fields()}
+        # what the server runs at this chunk size: a default `density` can depend on it (`chunk_density`)
+        spec = selector_spec(selector)
+        given = {k: v for k, v in params.items() if k in {f.name for f in spec.params.fields()}}
+        resolved = spec.params.validated(given, f"compact:{selector}").at_chunk(chunk)
         for name in RECORDED_DEFAULTS[selector]:
-            params.setdefault(name, defaults[name])
+            if params.get(name) != getattr(resolved, name):   # not given, or moved by the chunk rule
+                params[name] = getattr(resolved, name)
     params.update(chunk=chunk, page_size=page_size, min_context=min_context, sink_blocks=sink_blocks,
                   recent_blocks=recent_blocks)
     return f"compact-{selector}", params

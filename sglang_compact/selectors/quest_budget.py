@@ -34,6 +34,11 @@ page 32), with the backend's 256-token dense tail, reads 0.345 per pass and 0.31
 it, +0.2 [-2.3, +2.5], and 16K, +0.5 [-2.2, +3.3], on 300 prompt pairs each over two seeds; at chunk 8192 it
 reads 0.25 per pass, -0.5 (32K) and -1.0 (16K) on one seed (docs/results/accuracy_notes.md, session 35). The
 floor is in tokens so that it means the same candidates at every page size.
+
+From chunk 8192 up (`chunk_density` '8192:0.33'; SGLang's default chunk on H100 and H200) the share is 0.33: the
+gate opens at 8K there, so the floor hardly binds and 0.25 read 0.25 per pass, -1.7 [-3.7, +0.3] at 32K on 450
+prompt pairs over three seeds (multi-key -3.3); 0.33 read 0.33 per pass, -0.8 [-2.7, +0.8] on the same prompts
+(docs/results/accuracy_notes.md, session 42). The cost gate prices the share the server resolves.
 """
 
 from __future__ import annotations
@@ -41,8 +46,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from sglang_compact.selectors.base import Selection, page_scores
-from sglang_compact.selectors.budget import (MIN_TOKENS_HELP, QUERY_STRIDE_HELP, BudgetParams, BudgetSelector,
-                                            expected_density)
+from sglang_compact.selectors.budget import (CHUNK_DENSITY_HELP, MIN_TOKENS_HELP, QUERY_STRIDE_HELP, BudgetParams,
+                                            BudgetSelector, expected_density)
 from sglang_compact.selectors.registry import param, register_selector
 
 
@@ -50,6 +55,7 @@ from sglang_compact.selectors.registry import param, register_selector
 class QuestBudgetParams(BudgetParams):
     density: float = param(0.25, lo=0.0, hi=1.0, help="fraction of each row's context pages kept")
     min_tokens: int = param(2560, lo=0, hi=1 << 30, help=MIN_TOKENS_HELP)
+    chunk_density: str | None = param("8192:0.33", help=CHUNK_DENSITY_HELP)
     query_stride: int = param(0, lo=0, hi=16, power_of_two=True, help=QUERY_STRIDE_HELP)
 
 

@@ -95,6 +95,11 @@ class SelectorParams:
         fixed budgets override it). The cost gate prices rows at no less."""
         return 0
 
+    def at_chunk(self, chunk_size: int | None) -> "SelectorParams":
+        """These parameters at a server's chunked-prefill size (None or <= 0: chunked prefill off); the same
+        for a selector whose parameters do not depend on it."""
+        return self
+
     def query_stride_at(self, page_size: int) -> int:
         """The search's query stride at this page size: every s-th query of each q-block is scored. 1 for a
         selector without a `query_stride` parameter; a `query_stride` of 0 scores SCORED_QUERIES_PER_PAGE queries

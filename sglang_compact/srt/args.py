@@ -65,7 +65,8 @@ def add_compact_args(parser: argparse.ArgumentParser) -> None:
                    help="flashprefill threshold (shorthand for --compact-selector-params '{\"alpha\": X}')")
     g.add_argument("--compact-density", type=float, default=None,
                    help="the fixed-budget selectors' density: quest_budget (the default), budget, mass_budget "
-                        "(shorthand for --compact-selector-params '{\"density\": X}')")
+                        "(shorthand for --compact-selector-params '{\"density\": X}'); it holds at every chunk "
+                        "size (the default's 0.25 becomes 0.33 from --chunked-prefill-size 8192: chunk_density)")
     g.add_argument("--compact-sink-blocks", type=int, default=d.sink_blocks,
                    help=f"leading pages every q-block reads (default {d.sink_blocks})")
     g.add_argument("--compact-recent-blocks", type=int, default=d.recent_blocks,

@@ -132,7 +132,8 @@ class CompactRuntime:
     @classmethod
     def from_runner(cls, model_runner) -> "CompactRuntime":
         view = compat.runner_view(model_runner)
-        config = config_for(compat.attached_config(model_runner.server_args), view.page_size)
+        config = config_for(compat.attached_config(model_runner.server_args), view.page_size).at_chunk(
+            view.chunked_prefill_size)
         check_runner(view)
         check_search_kernel(config, view.device.type)
         check_server_features(model_runner.server_args)
