@@ -233,7 +233,8 @@ def test_rows_fixed_at_the_observing_layer_are_replayed_as_served(four_layers):
     kw = dict(chunk=CHUNK, page_size=PAGE, min_context=CHUNK, sink_blocks=1, recent_blocks=1)
     r = F.simulate(layers, [mf, mfree], **kw)
     pf, pfree = r.per_layer[mf.label], r.per_layer[mfree.label]
-    assert [F.layer_role(mf, mf.config(PAGE, 1, 1, CHUNK, CHUNK), i) for i in range(4)] == ["dense", "observe", "fill", "fill"]
+    roles = [F.layer_role(mf, mf.config(PAGE, 1, 1, CHUNK, CHUNK), i) for i in range(4)]
+    assert roles == ["dense", "observe", "fill", "fill"]
     assert F.layer_role(mfree, mfree.config(PAGE, 1, 1, CHUNK, CHUNK), 0) == "select"
     assert pf["density"][0] == 1.0 and pf["rel_err"][0] == 0.0 and pf["recall"][0] == pytest.approx(1.0)
     assert pfree["density"][0] < 1.0
