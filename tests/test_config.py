@@ -254,7 +254,11 @@ def test_the_default_reads_a_larger_share_from_chunk_8192():
     assert cfg.params.chunk_density == "8192:0.33"
     got = {chunk: cfg.at_chunk(chunk).params.density for chunk in (256, 1024, 4096, 8191, 8192, 16384, None, -1)}
     assert got == {256: 0.25, 1024: 0.25, 4096: 0.25, 8191: 0.25, 8192: 0.33, 16384: 0.33, None: 0.33, -1: 0.33}
-    assert cfg.at_chunk(1024) is cfg and cfg.at_chunk(8192).at_chunk(8192) == cfg.at_chunk(8192)
+    # resolved once: the rule is spent, so the share holds wherever the configuration goes next
+    for chunk, share in ((1024, 0.25), (8192, 0.33)):
+        resolved = cfg.at_chunk(chunk)
+        assert resolved.params.chunk_density is None and resolved.at_chunk(None) == resolved
+        assert [resolved.at_chunk(c).params.density for c in (256, 8192, 65536)] == [share] * 3
     assert "density=0.33, " in cfg.at_chunk(8192).describe()      # the server's start line
     for chunk, share in ((1024, 0.25), (8192, 0.33)):
         gate = Gate.for_server(cfg.at_chunk(chunk), ModelShape(14, 2, 64, 32), chunk, "NVIDIA H200", "fa3", 32768,

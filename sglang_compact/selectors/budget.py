@@ -63,11 +63,14 @@ class RowBudgetParams(SelectorParams):
 
     def at_chunk(self, chunk_size: int | None) -> "RowBudgetParams":
         """These parameters at a server's chunked-prefill size (None or <= 0: chunked prefill off): `density`
-        from `chunk_density`'s largest step at or below the chunk size. Idempotent."""
+        from `chunk_density`'s largest step at or below the chunk size (below the smallest: `density` as given),
+        and no rule left, so a resolved configuration keeps its share wherever it goes next."""
         steps = chunk_densities(self)
+        if not steps:
+            return self
         unbounded = chunk_size is None or chunk_size <= 0
-        share = next((f for tokens, f in reversed(steps) if unbounded or tokens <= chunk_size), None)
-        return self if share is None or share == self.density else dataclasses.replace(self, density=share)
+        share = next((f for tokens, f in reversed(steps) if unbounded or tokens <= chunk_size), self.density)
+        return dataclasses.replace(self, density=share, chunk_density=None)
 
     def floor_pages(self, page_size: int) -> int:
         """The rows' page floor at this page size: max(min_pages, ceil(min_tokens / page_size))."""
