@@ -27,16 +27,7 @@ trap cut_short TERM
 t0=$SECONDS
 source scripts/gpu/setup.sh || exit 1
 echo "setup: $((SECONDS - t0)) s"
-python3 scripts/gpu/pieces.py collect .pieces --into /tmp/pieces > /dev/null 2>&1 || true
-# the FA3 join decompresses with zstandard (its wheel comes with the first piece; a fresh machine lacks it)
-if ls /tmp/pieces/zstandard-*.whl > /dev/null 2>&1 && ! python3 -c "import zstandard" 2>/dev/null; then
-  python3 -m pip install -q --no-deps --no-index --target /tmp/site /tmp/pieces/zstandard-*.whl
-fi
-SITE=$(python3 -c "import sgl_kernel, os; print(os.path.dirname(sgl_kernel.__file__))")
-if [ ! -f $SITE/flash_ops.abi3.so ]; then
-  python3 scripts/gpu/pieces.py join fa3 --dir /tmp/pieces --out $SITE/flash_ops.abi3.so --unzstd
-fi
-python3 -c "from sgl_kernel.flash_attn import flash_attn_varlen_func; print('fa3 library: ok')" 2>&1 | tail -1
+source scripts/gpu/fa3_library.sh
 echo "fa3 library ready: $((SECONDS - t0)) s"
 if [ ! -f /tmp/qwen/config.json ]; then
   mkdir -p /tmp/res

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # One GPU-host call: scripts/bench_ttft.py with the given flags; the table, the first server errors, and all
-# results tarred into $OUT/<name>.tgz.   bash scripts/gpu/ttft_h200.sh NAME [bench_ttft.py flags]
+# results tarred into $OUT/<name>.tgz. Stock `fa3`'s library is joined first where its pieces arrived.   bash scripts/gpu/ttft_h200.sh NAME [bench_ttft.py flags]
 set -uo pipefail
 NAME=$1; shift
 source scripts/gpu/setup.sh > /dev/null 2>&1 || exit 1
+source scripts/gpu/fa3_library.sh   # stock `fa3` where pieces c01-c04 have arrived
 R=/tmp/res/$NAME; rm -rf $R; mkdir -p $R
 python3 scripts/bench_ttft.py --name $NAME --out-dir $R "$@" > $R/bench.log 2>&1
 echo "bench: exit $?"; tail -24 $R/$NAME.md 2>/dev/null
