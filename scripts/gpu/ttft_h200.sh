@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One GPU-host call: scripts/bench_ttft.py with the given flags; the table, the first server errors, and all
-# results tarred into $OUT/<name>.tgz. Stock `fa3`'s library is joined first where its pieces arrived.   bash scripts/gpu/ttft_h200.sh NAME [bench_ttft.py flags]
+# results tarred into $OUT/<name>.tgz.   bash scripts/gpu/ttft_h200.sh NAME [bench_ttft.py flags]
+# Stock `fa3`'s library is joined first where its pieces (c01-c04) have arrived.
 set -uo pipefail
 NAME=$1; shift
 source scripts/gpu/setup.sh > /dev/null 2>&1 || exit 1
