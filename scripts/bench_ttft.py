@@ -55,6 +55,12 @@ again: what multi-turn serving pays for answers independent of the cache.
 Rows `{"bench": "ttft", "model", "context", "chunk", "batch", "tp", "method", "density", "ms",
 "speedup_vs_flashinfer", "gpu", "date", ...}` are appended to `<out-dir>/speed.json`; the table goes
 to `<out-dir>/<--name>.md` and the ratios against prompt length to `<--name>.png`.
+
+One run over several calls (`--resume`): after each group of servers the run's state (its rounds so far, the
+groups timed) is written to `<out-dir>/<--name>.state.json`. The same command again with `--resume`, on the same
+machine (`--deadline-s` may differ), times only the groups not yet timed and writes the rows, table and plot of
+the whole run, under the first call's date and command (`"calls"` in the rows says how many calls it took); its
+rows replace those the earlier calls appended. A sweep longer than one GPU-host call (10 minutes) stays one run.
 """
 
 from __future__ import annotations
@@ -217,6 +223,44 @@ def round_ratios(base_ms, ms, level: float = 0.95) -> dict | None:
             "coverage": round(coverage(k), 4), "rounds": n}
 
 
+RESUME_FREE_FLAGS = ("--resume",)            # flags that may differ between the calls of one run
+RESUME_FREE_VALUES = ("--deadline-s",)      # ... with their values
+
+
+def run_signature(argv: list[str]) -> list[str]:
+    """The command line that identifies a run across `--resume` calls: argv less the flags free to change."""
+    out, skip = [], False
+    for x in argv:
+        if skip:
+            skip = False
+        elif x in RESUME_FREE_FLAGS or any(x.startswith(f + "=") for f in RESUME_FREE_VALUES):
+            pass
+        elif x in RESUME_FREE_VALUES:
+            skip = True
+        else:
+            out.append(x)
+    return out
+
+
+def load_run_state(path: Path, signature: list[str], gpu: str) -> dict | None:
+    """The state an earlier call of this run left at `path` (None: there is none, a new run starts). A state of
+    another command or another GPU stops the call: continuing it would mix two runs in one table."""
+    if not path.exists():
+        return None
+    try:
+        state = json.loads(path.read_text())
+        theirs, their_gpu = state["signature"], state["gpu"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise SystemExit(f"--resume: {path} is not a run state ({e}); remove it to start afresh")
+    if theirs != signature:
+        raise SystemExit(f"--resume: {path} is the state of another command:\n  {' '.join(theirs)}\nnot\n  "
+                         f"{' '.join(signature)}\n(only --deadline-s may differ); run that command with --resume, "
+                         "or this one without it to start afresh")
+    if their_gpu != gpu:
+        raise SystemExit(f"--resume: {path} was timed on {their_gpu}, this is {gpu}: one run is one machine")
+    return state
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     src = ap.add_mutually_exclusive_group(required=True)
@@ -252,6 +296,10 @@ def main() -> int:
     ap.add_argument("--name", default="speed_no_harm", help="basename of the table and plot")
     ap.add_argument("--out-dir", default=str(REPO / "docs" / "results"))
     ap.add_argument("--deadline-s", type=float, default=None, help="start no new (chunk, method) after this")
+    ap.add_argument("--resume", action="store_true",
+                    help="continue the run whose state this command left in <out-dir>/<--name>.state.json: time "
+                         "only the groups not yet timed, then write the whole run's rows, table and plot (a new "
+                         "run where there is no state)")
     ap.add_argument("--side-by-side", type=int, default=0,
                     help="servers started together, in --methods order (default: all of a chunk size; several "
                          "8B servers at 128K do not fit one GPU)")
@@ -301,7 +349,16 @@ def main() -> int:
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     cmd = "python3 scripts/bench_ttft.py " + " ".join(sys.argv[1:])
-    rng = random.Random(0)
+    state_path = out / f"{a.name}.state.json"
+    signature = run_signature(sys.argv[1:])
+    prior = load_run_state(state_path, signature, gpu) if a.resume and not a.dry_run else None
+    calls = 1
+    if prior:
+        date, cmd, calls = prior["date"], prior["cmd"], prior["calls"] + 1
+        print(f"--resume: call {calls} of the run of {date}: {len(prior['done'])} groups timed before", flush=True)
+    elif a.resume and not a.dry_run:
+        print(f"--resume: no state in {state_path}: a new run", flush=True)
+    rng = random.Random(calls - 1)   # fresh prompts in every call (the servers are new: no cache hits anyway)
     rows = []
     pool_tokens = (max(contexts) + 1024) * max(batches) + 4096
     context_len = max(contexts) + 256
@@ -341,6 +398,10 @@ def main() -> int:
             return time.time() - t0, sum(r.cached_tokens for r in done)
 
     samples: dict = {}   # (chunk, context, batch, method) -> the rounds of every start, pooled
+    done: set = set()    # (chunk, start, group index) timed, in this call or an earlier one of the run
+    if prior:
+        samples.update({tuple(s["key"]): s["got"] for s in prior["samples"]})
+        done.update(tuple(d) for d in prior["done"])
 
     def measure(servers: dict, chunk: int, group: int, start_no: int) -> None:
         """Every server of one chunk size, interleaved: for each (context, batch), rep after rep, each server
@@ -395,6 +456,8 @@ def main() -> int:
             if a.starts > 1:
                 row.update(starts=len(got["per_start"]), ms_per_start=[round(x, 1) for x in got["per_start"]],
                            server_start_s_all=got["start_s"])
+            if calls > 1:
+                row["calls"] = calls
             if a.next_turn:
                 row.update(next_turn=a.next_turn, answer_tokens=a.answer_tokens,
                            cached_tokens=statistics.median(got["cached"]))
@@ -404,7 +467,15 @@ def main() -> int:
                    f"density {row['density']:.3f} sparse q-blocks {row['sparse_qblocks']:.2f} dense by density "
                    f"{row['dense_density_qblocks']:.2f}"), flush=True)
 
-    profiles = []
+    profiles = list(prior["profiles"]) if prior else []
+
+    def save_state() -> None:
+        state = {"signature": signature, "gpu": gpu, "date": date, "cmd": cmd, "calls": calls,
+                 "done": sorted(done), "samples": [{"key": list(k), "got": g} for k, g in samples.items()],
+                 "profiles": profiles}
+        tmp = state_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(state))
+        tmp.replace(state_path)
 
     def profile(srv, method: str, chunk: int, ctx: int, bsz: int, ttft_s: float) -> None:
         """One more round, untimed, with SGLang's profiler on for a few forward passes part way through."""
@@ -460,16 +531,20 @@ def main() -> int:
         return 0
     group_id = 0   # servers timed in one group had their rounds interleaved
     for chunk in chunks:
+        n = 1 if a.sequential else (a.side_by_side or len(methods))
+        groups = [methods[i:i + n] for i in range(0, len(methods), n)]
+        first_group = group_id + 1   # group ids depend on the command alone: the same in every call of a run
+        group_id = first_group + len(groups) - 1
         if a.deadline_s and time.time() - t_start > a.deadline_s:
             print(f"deadline reached; skipping chunk {chunk}", flush=True)
             continue
-        n = 1 if a.sequential else (a.side_by_side or len(methods))
-        groups = [methods[i:i + n] for i in range(0, len(methods), n)]
-        first_group = group_id + 1
         for start_no in range(a.starts):
             for gi, group in enumerate(groups):
                 # the same group in every start: its servers' rounds were interleaved in each of them
                 group_id = first_group + gi
+                if (chunk, start_no, gi) in done:
+                    print(f"chunk {chunk} {group} (start {start_no + 1}): timed in an earlier call", flush=True)
+                    continue
                 if a.deadline_s and time.time() - t_start > a.deadline_s:
                     print(f"deadline reached; skipping chunk {chunk} {group} (start {start_no + 1})", flush=True)
                     continue
@@ -484,6 +559,9 @@ def main() -> int:
                 try:
                     if servers and not (a.deadline_s and time.time() - t_start > a.deadline_s):
                         measure(servers, chunk, group_id, start_no)
+                        # (a server that failed to start is not retried by --resume, as in a single call)
+                        done.add((chunk, start_no, gi))
+                        save_state()
                 finally:
                     for srv in servers.values():
                         srv.stop()
@@ -498,11 +576,14 @@ def main() -> int:
             r["interleaved_with_flashinfer"] = base[0]["group"] == r["group"]
     path = out / "speed.json"
     old = json.loads(path.read_text()) if path.exists() else []
+    # rows an earlier call of this run appended are replaced: they are in `rows`, with this call's rounds
+    old = [r for r in old if not (r.get("date") == date and r.get("cmd") == cmd)]
     path.write_text(json.dumps(old + rows, indent=1))
     turn = (f"Each timed request: the next turn of a conversation ({a.next_turn} new tokens after a first turn "
             f"and its {a.answer_tokens}-token answer); cached: tokens it took from the radix cache (median).\n\n"
             if a.next_turn else "")
-    lines = [f"# Time to first token: {name} ({gpu}, {date})", "", f"Command: `{cmd}`", "", turn +
+    resumed = f" (one run in {calls} calls: the same command again with --resume)" if calls > 1 else ""
+    lines = [f"# Time to first token: {name} ({gpu}, {date})", "", f"Command: `{cmd}`{resumed}", "", turn +
              "| context | chunk | batch | method | density | sparse q-blocks | dense by density | TTFT ms (median) | "
              "vs flashinfer | per-round ratio: median [interval] |" + (" cached |" if a.next_turn else ""),
              "|---|---|---|---|---|---|---|---|---|---|" + ("---|" if a.next_turn else "")]

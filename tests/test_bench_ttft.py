@@ -2,6 +2,7 @@
 
 import json
 import subprocess
+import time
 import sys
 from pathlib import Path
 
@@ -139,3 +140,79 @@ def test_replot_draws_the_rows_of_the_dated_runs(tmp_path):
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_ttft.py"), "--replot", str(src),
                         "--replot-date", "2027", "--out-dir", str(out)], capture_output=True, text=True, timeout=120)
     assert r.returncode != 0 and "no ttft rows" in r.stderr
+
+
+def test_run_signature_leaves_out_only_the_flags_free_between_calls():
+    from bench_ttft import run_signature
+    argv = ["--model", "llama-3.1-8b", "--deadline-s", "470", "--resume", "--reps", "2", "--deadline-s=30"]
+    assert run_signature(argv) == ["--model", "llama-3.1-8b", "--reps", "2"]
+
+
+def test_resume_times_the_rest_of_one_run_in_a_later_call(tmp_path, monkeypatch):
+    """A sweep longer than one GPU-host call: the first call times what its deadline allows, the same command
+    with --resume times only the rest, and the rows, table and speed.json hold one run (the first call's date
+    and rounds, each row once). The servers are stand-ins (stock `flashinfer` and `fa3` do not run on a CPU);
+    what is tested is the run's bookkeeping across calls."""
+    import types
+
+    import bench_ttft
+    started = []
+
+    class Server:
+        startup_seconds = 0.0
+
+        def __init__(self, label):
+            self.label = label
+
+        def generate(self, input_ids=None, max_new_tokens=1, ignore_eos=True, request=None):
+            time.sleep(0.05)
+            return types.SimpleNamespace(output_ids=[7], cached_tokens=0)
+
+        def stop(self):
+            pass
+
+    def start_server(module, model, flags, log_path, timeout=600, env=None):
+        started.append(log_path.name)
+        return Server(log_path.name)
+
+    monkeypatch.setattr(bench_ttft, "start_server", start_server)
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"vocab_size": 3000, "max_position_embeddings": 8192}))
+    out = tmp_path / "out"
+    base = ["bench_ttft.py", "--model-path", str(model), "--contexts", "2048", "--chunks", "1024,8192",
+            "--methods", "flashinfer,fa3", "--side-by-side", "1", "--reps", "2", "--out-dir", str(out),
+            "--name", "sweep"]
+
+    def call(*extra):
+        monkeypatch.setattr(sys, "argv", base + list(extra))
+        return bench_ttft.main()
+
+    # each group: a warm-up and two rounds of 0.05 s; the deadline lets the first group of each chunk start
+    assert call("--deadline-s", "0.1") == 0
+    assert started == ["ttft_model_flashinfer_c1024.log"]
+    first = json.loads((out / "speed.json").read_text())
+    assert [r["method"] for r in first] == ["flashinfer"]
+    state = json.loads((out / "sweep.state.json").read_text())
+    assert state["done"] == [[1024, 0, 0]] and state["calls"] == 1
+
+    with pytest.raises(SystemExit, match="the state of another command"):   # another sweep: not this run
+        call("--resume", "--reps", "3")
+    assert call("--resume", "--deadline-s", "60") == 0
+    assert started[1:] == ["ttft_model_fa3_c1024.log", "ttft_model_flashinfer_c8192.log",
+                           "ttft_model_fa3_c8192.log"]
+    rows = json.loads((out / "speed.json").read_text())
+    assert sorted((r["chunk"], r["method"]) for r in rows) == [(1024, "fa3"), (1024, "flashinfer"),
+                                                              (8192, "fa3"), (8192, "flashinfer")]
+    assert {r["date"] for r in rows} == {first[0]["date"]} and {r["calls"] for r in rows} == {2}
+    assert {r["cmd"] for r in rows} == {first[0]["cmd"]} and "--deadline-s 0.1" in first[0]["cmd"]
+    again = next(r for r in rows if (r["chunk"], r["method"]) == (1024, "flashinfer"))
+    assert again["ms_all"] == first[0]["ms_all"]                 # the first call's rounds, not re-timed
+    assert {r["group"] for r in rows} == {1, 2, 3, 4}           # group ids as one call would give them
+    assert all(r["speedup_vs_flashinfer"] for r in rows)
+    assert "one run in 2 calls" in (out / "sweep.md").read_text()
+
+    assert call("--resume") == 0 and len(started) == 4           # nothing left to time: the outputs again
+    assert len(json.loads((out / "speed.json").read_text())) == 4
+    assert call() == 0 and len(started) == 8                     # without --resume: a new run
+    assert len(json.loads((out / "speed.json").read_text())) == 8

@@ -73,12 +73,14 @@ if [[ $JOB == accuracy ]]; then
   tar czf $OUT/qwen_accuracy.tgz -C /tmp/res qwen_accuracy
   exit 0
 fi
-R=/tmp/res/qwen; rm -rf $R; mkdir -p $R
+R=/tmp/res/qwen
+[[ " $* " == *" --resume "* ]] || rm -rf $R   # --resume: continue the run kept in $R (bench_ttft.py)
+mkdir -p $R
 PACK="tar czf $OUT/qwen.tgz -C /tmp/res qwen"
 python3 scripts/bench_ttft.py --model-path /tmp/qwen --model-name qwen2.5-coder-0.5b --page-size 32 \
   --contexts 4096,8192,16384,31744 --chunks 1024,8192 --batches 1 \
   --methods flashinfer,fa3,compact,compact-dense,flashinfer-again \
-  --out-dir $R "$@" > $R/bench.log 2>&1
+  --out-dir $R "$@" >> $R/bench.log 2>&1
 echo "bench: exit $?"; tail -44 $R/speed_no_harm.md 2>/dev/null || tail -30 $R/bench.log
 grep -h -E "Traceback|Error" $R/*.log 2>/dev/null | grep -v "Ignore import error" | head -5
 pkill -9 -f "launch_server|sglang::" 2>/dev/null
