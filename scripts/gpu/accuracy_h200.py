@@ -72,6 +72,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 T0 = time.monotonic()
+_PROCESS_START = [T0]   # the first main() of a process counts its deadline from here (imports included)
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))  # the repository root: `harness`
 # the accuracy.json a new --results starts from
@@ -599,7 +600,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     a = parse_args(argv)
     if a.hf_worker:
         return hf_worker_main(a)
-    t0 = T0
+    # a later main() in the same process (the tests) counts from its own start, not from the import
+    t0 = _PROCESS_START.pop() if _PROCESS_START else time.monotonic()
     out = Path(a.out)
     log_dir, pred_dir = out / "logs", out / "preds"
     server_runs = [server_run(s, a) for s in a.methods]
