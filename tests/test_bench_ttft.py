@@ -1,9 +1,10 @@
-"""scripts/bench_ttft.py without a GPU: its method names and its dry run (the plan and the KV arithmetic)."""
+"""scripts/bench_ttft.py without a GPU: its method names, its dry run (the plan and the KV arithmetic) and one run
+over several calls (--resume)."""
 
 import json
 import subprocess
-import time
 import sys
+import time
 from pathlib import Path
 
 import pytest
