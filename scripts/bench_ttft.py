@@ -351,13 +351,15 @@ def main() -> int:
     cmd = "python3 scripts/bench_ttft.py " + " ".join(sys.argv[1:])
     state_path = out / f"{a.name}.state.json"
     signature = run_signature(sys.argv[1:])
-    prior = load_run_state(state_path, signature, gpu) if a.resume and not a.dry_run else None
-    calls = 1
-    if prior:
-        date, cmd, calls = prior["date"], prior["cmd"], prior["calls"] + 1
-        print(f"--resume: call {calls} of the run of {date}: {len(prior['done'])} groups timed before", flush=True)
-    elif a.resume and not a.dry_run:
-        print(f"--resume: no state in {state_path}: a new run", flush=True)
+    prior, calls = None, 1
+    if a.resume and not a.dry_run:
+        prior = load_run_state(state_path, signature, gpu)
+        if prior:
+            date, cmd, calls = prior["date"], prior["cmd"], prior["calls"] + 1
+            print(f"--resume: call {calls} of the run of {date}: {len(prior['done'])} groups timed before",
+                  flush=True)
+        else:
+            print(f"--resume: no state in {state_path}: a new run", flush=True)
     rng = random.Random(calls - 1)   # fresh prompts in every call (the servers are new: no cache hits anyway)
     rows = []
     pool_tokens = (max(contexts) + 1024) * max(batches) + 4096

@@ -189,7 +189,7 @@ def test_resume_times_the_rest_of_one_run_in_a_later_call(tmp_path, monkeypatch)
         monkeypatch.setattr(sys, "argv", base + list(extra))
         return bench_ttft.main()
 
-    # each group: a warm-up and two rounds of 0.05 s; the deadline lets the first group of each chunk start
+    # each group: a warm-up and two rounds of 0.05 s; the deadline lets only the first group (chunk 1024) start
     assert call("--deadline-s", "0.1") == 0
     assert started == ["ttft_model_flashinfer_c1024.log"]
     first = json.loads((out / "speed.json").read_text())
