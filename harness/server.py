@@ -108,6 +108,7 @@ class GenerateResult:
     meta_info: Dict[str, Any] = field(default_factory=dict)
     raw: Dict[str, Any] = field(default_factory=dict)
     seconds: float = 0.0  # wall time of the request
+    token_times: List[float] = field(default_factory=list)  # streamed: time.monotonic() as each output token arrived
 
     @property
     def cached_tokens(self) -> int:
@@ -430,6 +431,42 @@ class SGLangServer:
             raw=out,
             seconds=seconds,
         )
+
+    def generate_stream(self, input_ids: Sequence[int], max_new_tokens: int) -> GenerateResult:
+        """Greedy generation streamed (EOS ignored): the output ids, the last event's ``meta_info``, and in
+        ``token_times`` the ``time.monotonic()`` at which each output token reached this client (tokens that arrive
+        in one event share its time)."""
+        self._check_running()
+        payload = {"input_ids": [int(t) for t in input_ids], "stream": True,
+                   "sampling_params": dict(max_new_tokens=max_new_tokens, temperature=0.0, ignore_eos=True)}
+        req = urllib.request.Request(self.base_url + "/generate", data=json.dumps(payload).encode(),
+                                     headers={"Content-Type": "application/json"})
+        res = GenerateResult(output_ids=[], text="")
+        t0 = time.monotonic()
+        try:
+            with urllib.request.urlopen(req, timeout=self.request_timeout) as r:
+                for line in r:
+                    if not line.startswith(b"data:"):
+                        continue
+                    body = line[5:].strip()
+                    if body == b"[DONE]":
+                        break
+                    out = json.loads(body)
+                    if "error" in out:
+                        raise ServerError(f"/generate (stream) -> {out['error']}\nlog tail:\n{self.log_tail()}")
+                    now = time.monotonic()
+                    new = list(out.get("output_ids", []))
+                    res.meta_info = out.get("meta_info", {})
+                    # the whole output so far, or only the new ids under --incremental-streaming-output
+                    n = int(res.meta_info.get("completion_tokens", len(res.output_ids) + len(new)))
+                    res.output_ids = new if len(new) == n else res.output_ids + new
+                    res.token_times += [now] * (n - len(res.token_times))
+                    res.raw = out
+        except urllib.error.HTTPError as e:
+            body = e.read().decode(errors="replace")
+            raise ServerError(f"/generate (stream) -> HTTP {e.code}: {body}\nlog tail:\n{self.log_tail()}") from e
+        res.seconds = time.monotonic() - t0
+        return res
 
     def flush_cache(self, timeout: float = 30.0) -> None:
         """Empty the radix cache. SGLang refuses (400) while a request is still finishing, which can be just after

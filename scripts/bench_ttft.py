@@ -45,6 +45,11 @@ FlashInfer, as before sgl_kernel's FA3 ran them), `-at0` (`--compact-min-context
 (`SGLANG_COMPACT_CACHED_LAUNCH=1`: our Triton kernels launched from their compiled kernels, `kernels/launch.py`)
 or `-reuse` (`--compact-prefix-cache reuse`: the radix cache keeps and serves everything, as stock does).
 
+`--decode-tokens N` streams N output tokens per request instead of 1 and adds the decode time per token (rows'
+`decode_ms`): after every request of a round has its first token, each request's time from its next token to its
+last over the tokens in between; the median over the round's requests, then over the rounds. The TTFT is then the
+first streamed token's. Decode is where `compact` runs FlashInfer's decode kernel and stock `fa3` runs FA3.
+
 `--next-turn M` times a conversation's next turn instead of a fresh prompt: each timed request of `context`
 tokens is a first turn of `context - M - --answer-tokens` tokens, answered just before (untimed), then its
 answer and M new tokens; the rows add `next_turn`, `answer_tokens` and `cached_tokens` (median over the rounds
@@ -202,7 +207,25 @@ def pooled_fields(got: dict, metered_server: bool, unread: bool) -> dict:
             "sparse_qblocks": med(got["frac"]) if metered_server else None if unread else 0.0,
             "dense_density_qblocks": med(got["fell"]) if metered_server else None if unread else 0.0,
             "ms": 1000 * statistics.median(got["times"]),
-            "ms_all": [round(1000 * t, 1) for t in got["times"]]}
+            "ms_all": [round(1000 * t, 1) for t in got["times"]],
+            **({"decode_ms": med(got["decode"]), "decode_ms_all": [round(x, 3) for x in got["decode"]]}
+               if got.get("decode") else {})}
+
+
+def decode_ms_per_token(token_times: list[list[float]]) -> float | None:
+    """Decode time per token of one round of concurrent streamed requests, each given the arrival times of its
+    tokens: from the moment every request has its first token (before it, some were still prefilling), each
+    request's span from its first token then to its last over the tokens in between; the median over the
+    requests, in ms. None where no request has two tokens in that span."""
+    if not token_times or not all(token_times):
+        return None
+    all_started = max(t[0] for t in token_times)
+    per_request = []
+    for times in token_times:
+        after = [t for t in times if t >= all_started]
+        if len(after) >= 2:
+            per_request.append(1000 * (after[-1] - after[0]) / (len(after) - 1))
+    return statistics.median(per_request) if per_request else None
 
 
 def round_ratios(base_ms, ms, level: float = 0.95) -> dict | None:
@@ -317,6 +340,9 @@ def main() -> int:
                          "followed by its answer and TOKENS new tokens; rows record the tokens served from the "
                          "cache (0: off)")
     ap.add_argument("--answer-tokens", type=int, default=256, help="with --next-turn: the first turn's answer")
+    ap.add_argument("--decode-tokens", type=int, default=0, metavar="N",
+                    help="stream N output tokens per timed request (not 1) and add the decode time per token to the "
+                         "rows (decode_ms; 0: off)")
     ap.add_argument("--start-timeout", type=float, default=900)
     ap.add_argument("--replot-date", default="", help="with --replot: the rows' date prefix (ISO, UTC)")
     ap.add_argument("--dry-run", action="store_true", help="print the servers, their flags and the per-rank KV "
@@ -324,6 +350,9 @@ def main() -> int:
     a = ap.parse_args()
     if a.starts < 1 or a.warmup_rounds < 0 or a.reps < 1:
         raise SystemExit("--starts and --reps must be >= 1, --warmup-rounds >= 0")
+    if a.decode_tokens and a.decode_tokens < 3:
+        raise SystemExit(f"--decode-tokens {a.decode_tokens}: at least 3 (a first token and two decode steps), "
+                         "or 0 for time to first token only")
     if a.replot:
         return replot(a)
     t_start = time.time()
@@ -384,10 +413,11 @@ def main() -> int:
         return start_server(module, model, common + flags, out / f"ttft_{name}_{file_label(method)}_c{chunk}.log",
                             timeout=a.start_timeout, env=method_env(method))
 
-    def round_(srv, n_tokens: int, n_req: int) -> tuple[float, int]:
-        """(seconds, tokens served from the cache, summed over the requests) of one timed round: `n_req` fresh
-        prompts of `n_tokens`; with --next-turn, each the next turn of a conversation whose first turn (the
-        prompt less the answer and the new message) was answered just before, untimed."""
+    def round_(srv, n_tokens: int, n_req: int) -> tuple[float, int, float | None]:
+        """(seconds to the last request's first token, tokens served from the cache summed over the requests,
+        decode ms per token with --decode-tokens else None) of one timed round: `n_req` fresh prompts of
+        `n_tokens`; with --next-turn, each the next turn of a conversation whose first turn (the prompt less the
+        answer and the new message) was answered just before, untimed."""
         M, R = a.next_turn, a.answer_tokens
         prompts = [[rng.randrange(*vocab) for _ in range(n_tokens - (M + R if M else 0))] for _ in range(n_req)]
         with cf.ThreadPoolExecutor(n_req) as ex:
@@ -395,9 +425,14 @@ def main() -> int:
                 answers = list(ex.map(lambda p: generate(srv, p, R).output_ids, prompts))
                 prompts = [p + list(ans) + [rng.randrange(*vocab) for _ in range(M)]
                            for p, ans in zip(prompts, answers)]
+            if a.decode_tokens:
+                t0 = time.monotonic()
+                done = list(ex.map(lambda p: srv.generate_stream(p, a.decode_tokens), prompts))
+                return (max(r.token_times[0] for r in done) - t0, sum(r.cached_tokens for r in done),
+                        decode_ms_per_token([r.token_times for r in done]))
             t0 = time.time()
             done = list(ex.map(lambda p: generate(srv, p, 1), prompts))
-            return time.time() - t0, sum(r.cached_tokens for r in done)
+            return time.time() - t0, sum(r.cached_tokens for r in done), None
 
     samples: dict = {}   # (chunk, context, batch, method) -> the rounds of every start, pooled
     done: set = set()    # (chunk, start, group index) timed, in this call or an earlier one of the run
@@ -417,16 +452,18 @@ def main() -> int:
                     for srv in servers.values():
                         round_(srv, ctx, bsz)
                 got = {m: samples.setdefault((chunk, ctx, bsz, m), {
-                    "times": [], "cached": [], "dens": [], "frac": [], "fell": [], "per_start": [],
+                    "times": [], "cached": [], "dens": [], "frac": [], "fell": [], "per_start": [], "decode": [],
                     "group": group, "start_s": []}) for m in servers}
                 times = {m: [] for m in servers}
                 for _ in range(a.reps):
                     for method, srv in servers.items():
                         compact = metered(method)
                         before = compact_counters(srv) if compact else None
-                        seconds, hit = round_(srv, ctx, bsz)
+                        seconds, hit, decode_ms = round_(srv, ctx, bsz)
                         times[method].append(seconds)
                         got[method]["cached"].append(hit)
+                        if decode_ms is not None:
+                            got[method]["decode"].append(decode_ms)
                         if compact:
                             after = compact_counters(srv)
                             dc = after["dcount"] - before["dcount"]
@@ -439,9 +476,11 @@ def main() -> int:
                     got[method]["times"] += times[method]
                     got[method]["per_start"].append(1000 * statistics.median(times[method]))
                     got[method]["start_s"].append(round(srv.startup_seconds or 0, 1))
+                    decode = (f"; decode {statistics.median(got[method]['decode']):.2f} ms per token"
+                              if got[method]["decode"] else "")
                     print(f"{method} chunk {chunk} ctx {ctx} batch {bsz} start {start_no + 1}: "
                           f"{1000 * statistics.median(times[method]):.1f} ms "
-                          f"(all {[round(1000 * t, 1) for t in times[method]]})", flush=True)
+                          f"(all {[round(1000 * t, 1) for t in times[method]]}){decode}", flush=True)
                 if a.profile_steps:
                     for method, srv in servers.items():
                         profile(srv, method, chunk, ctx, bsz, statistics.median(times[method]))
@@ -576,6 +615,11 @@ def main() -> int:
             # rounds interleaved with flashinfer's only when the two servers ran in one group
             r["round_ratio_vs_flashinfer"] = round_ratios(base[0]["ms_all"], r["ms_all"])
             r["interleaved_with_flashinfer"] = base[0]["group"] == r["group"]
+        for stock in ("flashinfer", "fa3"):   # decode time per token: the stock server's over the method's
+            ref = [x for x in rows if x["method"] == stock and all(
+                x[k] == r[k] for k in ("model", "context", "chunk", "batch", "tp"))]
+            if r.get("decode_ms") and ref and ref[0].get("decode_ms"):
+                r[f"decode_speedup_vs_{stock}"] = ref[0]["decode_ms"] / r["decode_ms"]
     path = out / "speed.json"
     old = json.loads(path.read_text()) if path.exists() else []
     # rows an earlier call of this run appended are replaced: they are in `rows`, with this call's rounds
@@ -585,10 +629,15 @@ def main() -> int:
             f"and its {a.answer_tokens}-token answer); cached: tokens it took from the radix cache (median).\n\n"
             if a.next_turn else "")
     resumed = f" (one run in {calls} calls: the same command again with --resume)" if calls > 1 else ""
-    lines = [f"# Time to first token: {name} ({gpu}, {date})", "", f"Command: `{cmd}`{resumed}", "", turn +
+    decode = (f"Each timed request streams {a.decode_tokens} tokens; decode: ms per token once every request of "
+              "the round has its first token (median over the requests, then over the rounds), and the stock "
+              "server's over the method's.\n\n" if a.decode_tokens else "")
+    lines = [f"# Time to first token: {name} ({gpu}, {date})", "", f"Command: `{cmd}`{resumed}", "", turn + decode +
              "| context | chunk | batch | method | density | sparse q-blocks | dense by density | TTFT ms (median) | "
-             "vs flashinfer | per-round ratio: median [interval] |" + (" cached |" if a.next_turn else ""),
-             "|---|---|---|---|---|---|---|---|---|---|" + ("---|" if a.next_turn else "")]
+             "vs flashinfer | per-round ratio: median [interval] |" + (" cached |" if a.next_turn else "") +
+             (" decode ms/token | decode vs flashinfer | decode vs fa3 |" if a.decode_tokens else ""),
+             "|---|---|---|---|---|---|---|---|---|---|" + ("---|" if a.next_turn else "") +
+             ("---|---|---|" if a.decode_tokens else "")]
     for r in rows:
         sp = f"{r['speedup_vs_flashinfer']:.2f}" if r["speedup_vs_flashinfer"] else ""
         rr = r.get("round_ratio_vs_flashinfer")
@@ -601,7 +650,9 @@ def main() -> int:
         lines.append(f"| {r['context']} | {r['chunk']} | {r['batch']} | {r['method']} | {num(r['density'])} | "
                      f"{num(r['sparse_qblocks'])} | {num(r.get('dense_density_qblocks', 0.0))} | {r['ms']:.1f}"
                      f"{per_start(r)} | "
-                     f"{sp} | {paired} |" + (f" {r['cached_tokens']:.0f} |" if a.next_turn else ""))
+                     f"{sp} | {paired} |" + (f" {r['cached_tokens']:.0f} |" if a.next_turn else "") +
+                     (f" {num(r.get('decode_ms'))} | {num(r.get('decode_speedup_vs_flashinfer'))} | "
+                      f"{num(r.get('decode_speedup_vs_fa3'))} |" if a.decode_tokens else ""))
     (out / f"{a.name}.md").write_text("\n".join(lines) + "\n")
     if profiles:
         (out / f"profile_{a.name}.json").write_text(json.dumps(profiles, indent=1))

@@ -12,8 +12,8 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from bench_ttft import (COMPACT, STOCK, metered, method_args, method_env, pooled_fields, round_ratios,  # noqa: E402
-                        split_methods)
+from bench_ttft import (COMPACT, STOCK, decode_ms_per_token, metered, method_args, method_env,  # noqa: E402
+                        pooled_fields, round_ratios, split_methods)
 
 
 def test_method_names():
@@ -61,6 +61,25 @@ def test_method_names():
     assert method_env("compact-cachedlaunch") == {"SGLANG_COMPACT_CACHED_LAUNCH": "1"}
     reuse = method_args("compact-dense-reuse")[1]     # the radix cache as stock's (the next-turn runs)
     assert reuse[reuse.index("--compact-prefix-cache") + 1] == "reuse" and reuse[-2:] == ["--compact-selector", "dense"]
+
+
+def test_decode_time_per_token_starts_once_every_request_has_its_first_token():
+    # request 0 decodes at 10 ms per token while request 1 still prefills; from t = 1.0 both decode at 20 ms
+    r0 = [0.5, 0.51, 0.52, 1.0, 1.02, 1.04, 1.06]
+    r1 = [1.0, 1.02, 1.04, 1.06]
+    assert decode_ms_per_token([r0, r1]) == pytest.approx(20.0)
+    assert decode_ms_per_token([r0]) == pytest.approx((1.06 - 0.5) / 6 * 1000)
+    # tokens that arrived in one event share its time: the span still counts each of them
+    assert decode_ms_per_token([[0.0, 0.1, 0.1, 0.3]]) == pytest.approx(100.0)
+    # the median over the requests
+    assert decode_ms_per_token([[0.0, 0.01, 0.02], [0.0, 0.02, 0.04], [0.0, 0.05, 0.10]]) == pytest.approx(20.0)
+    assert decode_ms_per_token([[0.0]]) is None and decode_ms_per_token([]) is None
+    assert decode_ms_per_token([[0.0, 0.1], []]) is None   # a request that streamed nothing
+    fields = pooled_fields({"times": [0.1, 0.2, 0.3], "dens": [], "frac": [], "fell": [], "decode": [7.0, 9.0, 8.0]},
+                           False, False)
+    assert fields["decode_ms"] == 8.0 and fields["decode_ms_all"] == [7.0, 9.0, 8.0]
+    assert "decode_ms" not in pooled_fields({"times": [0.1], "dens": [], "frac": [], "fell": [], "decode": []},
+                                            False, False)
 
 
 def test_round_ratios_pair_the_rounds_and_bound_their_median():

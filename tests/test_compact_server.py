@@ -79,8 +79,12 @@ def test_dense_reads_match_torch_native(model_dir, torch_native_tokens, selector
     want = torch_native_tokens
     with server(model_dir, COMPACT + selector_args + ["--enable-metrics"]) as srv:
         got = [greedy(srv, p) for p in prompts()]
+        # streamed (the decode timings of scripts/bench_ttft.py): the same tokens, each with its arrival time
+        streamed = srv.generate_stream(prompts()[0], NEW)
         log = srv.log_path.read_text()
         metrics = srv.get_text("/metrics")
+    assert streamed.output_ids == got[0][0] and streamed.meta_info["completion_tokens"] == NEW
+    assert len(streamed.token_times) == NEW and streamed.token_times == sorted(streamed.token_times)
     assert f"selector={selector_args[1]!r}" in log  # the launcher's config reached the scheduler
     sparse = metric_value(metrics, "sglang:compact_qblocks_total", 'path="sparse"')
     assert (sparse > 0) == (selector_args[1] != "dense")
