@@ -48,7 +48,7 @@ or `-reuse` (`--compact-prefix-cache reuse`: the radix cache keeps and serves ev
 `--decode-tokens N` streams N output tokens per request instead of 1 and adds the decode time per token (rows'
 `decode_ms`): after every request of a round has its first token, each request's time from its next token to its
 last over the tokens in between; the median over the round's requests, then over the rounds. The TTFT is then the
-first streamed token's. Decode is where `compact` runs FlashInfer's decode kernel and stock `fa3` runs FA3.
+first streamed token's. Stock `fa3` decodes on FA3, stock `flashinfer` on FlashInfer's decode kernel.
 
 `--next-turn M` times a conversation's next turn instead of a fresh prompt: each timed request of `context`
 tokens is a first turn of `context - M - --answer-tokens` tokens, answered just before (untimed), then its
