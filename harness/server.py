@@ -362,8 +362,8 @@ class SGLangServer:
         if self.proc is None or self.proc.poll() is not None:
             raise ServerError(f"server is not running; {self._log_name()}:\n{self.log_tail()}")
 
-    def post(self, path: str, payload: Dict[str, Any], timeout: Optional[float] = None) -> Any:
-        """POST JSON; the reply's JSON (plain text where it is not JSON, as ``/flush_cache``'s)."""
+    def _open(self, path: str, payload: Dict[str, Any], timeout: Optional[float] = None):
+        """The open response to a JSON POST (read it in a ``with``); an HTTP error status raises ServerError."""
         self._check_running()
         req = urllib.request.Request(
             self.base_url + path,
@@ -371,11 +371,15 @@ class SGLangServer:
             headers={"Content-Type": "application/json"},
         )
         try:
-            with urllib.request.urlopen(req, timeout=self.request_timeout if timeout is None else timeout) as r:
-                body = r.read()
+            return urllib.request.urlopen(req, timeout=self.request_timeout if timeout is None else timeout)
         except urllib.error.HTTPError as e:
             body = e.read().decode(errors="replace")
             raise ServerError(f"{path} -> HTTP {e.code}: {body}\nlog tail:\n{self.log_tail()}") from e
+
+    def post(self, path: str, payload: Dict[str, Any], timeout: Optional[float] = None) -> Any:
+        """POST JSON; the reply's JSON (plain text where it is not JSON, as ``/flush_cache``'s)."""
+        with self._open(path, payload, timeout) as r:
+            body = r.read()
         try:
             return json.loads(body)
         except json.JSONDecodeError:
@@ -436,35 +440,28 @@ class SGLangServer:
         """Greedy generation streamed (EOS ignored): the output ids, the last event's ``meta_info``, and in
         ``token_times`` the ``time.monotonic()`` at which each output token reached this client (tokens that arrive
         in one event share its time)."""
-        self._check_running()
         payload = {"input_ids": [int(t) for t in input_ids], "stream": True,
                    "sampling_params": dict(max_new_tokens=max_new_tokens, temperature=0.0, ignore_eos=True)}
-        req = urllib.request.Request(self.base_url + "/generate", data=json.dumps(payload).encode(),
-                                     headers={"Content-Type": "application/json"})
         res = GenerateResult(output_ids=[], text="")
         t0 = time.monotonic()
-        try:
-            with urllib.request.urlopen(req, timeout=self.request_timeout) as r:
-                for line in r:
-                    if not line.startswith(b"data:"):
-                        continue
-                    body = line[5:].strip()
-                    if body == b"[DONE]":
-                        break
-                    out = json.loads(body)
-                    if "error" in out:
-                        raise ServerError(f"/generate (stream) -> {out['error']}\nlog tail:\n{self.log_tail()}")
-                    now = time.monotonic()
-                    new = list(out.get("output_ids", []))
-                    res.meta_info = out.get("meta_info", {})
-                    # the whole output so far, or only the new ids under --incremental-streaming-output
-                    n = int(res.meta_info.get("completion_tokens", len(res.output_ids) + len(new)))
-                    res.output_ids = new if len(new) == n else res.output_ids + new
-                    res.token_times += [now] * (n - len(res.token_times))
-                    res.raw = out
-        except urllib.error.HTTPError as e:
-            body = e.read().decode(errors="replace")
-            raise ServerError(f"/generate (stream) -> HTTP {e.code}: {body}\nlog tail:\n{self.log_tail()}") from e
+        with self._open("/generate", payload) as r:
+            for line in r:
+                if not line.startswith(b"data:"):
+                    continue
+                body = line[5:].strip()
+                if body == b"[DONE]":
+                    break
+                out = json.loads(body)
+                if "error" in out:
+                    raise ServerError(f"/generate (stream) -> {out['error']}\nlog tail:\n{self.log_tail()}")
+                now = time.monotonic()
+                new = list(out.get("output_ids", []))
+                res.meta_info = out.get("meta_info", {})
+                # the whole output so far, or only the new ids under --incremental-streaming-output
+                n = int(res.meta_info.get("completion_tokens", len(res.output_ids) + len(new)))
+                res.output_ids = new if len(new) == n else res.output_ids + new
+                res.token_times += [now] * (n - len(res.token_times))
+                res.raw = out
         res.seconds = time.monotonic() - t0
         return res
 
