@@ -51,14 +51,7 @@ if [[ $JOB == dense-check ]]; then
     --skip long,concurrent,tight \
     --out $R "$@" > $R/run.log 2>&1
   echo "serving_check: exit $?"
-  python3 - <<'PY'
-import json
-r = json.load(open("/tmp/res/qwen_dense/serving_check.json"))
-for name, step in r["steps"].items():
-    print(name, f"{step.get('equal', 0)}/{step.get('n', '?')} equal;", step.get("error", ""),
-          [(x["len"], x.get("error") or (x["first_divergence"], x["gap_flashinfer"], x["gap_compact"]))
-           for x in step.get("rows", []) if not x["equal"]])
-PY
+  python3 scripts/gpu/serving_check.py --summary /tmp/res/qwen_dense/serving_check.json
   pkill -9 -f "launch_server|sglang::" 2>/dev/null
   tar czf $OUT/qwen_dense.tgz -C /tmp/res qwen_dense
   exit 0

@@ -20,7 +20,8 @@ weights (`--load-format dummy --skip-tokenizer-init`, page 64), with SGLang's de
      pool must be stock's shrunk by the summaries' share (`sglang_compact/srt/memory.py`), then it is
      filled past its token limit with concurrent long prompts, which must all complete without an
      out-of-memory error, the pool returning to 0 used tokens.
-Writes `serving_check.json` and the server logs under --out.
+Writes `serving_check.json` and the server logs under --out. `--summary FILE` prints a report's steps one line each
+(also after a run cut short: the report is saved after every step).
 
 With `--model-path DIR` the servers load real weights from DIR (e.g. Qwen2.5-Coder-0.5B, converted by
 scripts/convert_gguf.py) instead of the dummy 8B config; `--page-size`, `--chunk` and `--lengths` set the
@@ -92,9 +93,27 @@ def top2_gap(meta, step):
         return None
 
 
+def summary(report: dict) -> list[str]:
+    """One line per step: a dense step's equal count and, per unequal prompt, its length with the error or the first
+    divergence and both servers' top-2 logprob gaps there; any other step's own figures."""
+    lines = []
+    for name, step in report["steps"].items():
+        if name.startswith("dense_vs_"):
+            diverged = [(x["len"], x.get("error") or (x["first_divergence"], x["gap_flashinfer"], x["gap_compact"]))
+                        for x in step.get("rows", []) if not x["equal"]]
+            lines.append(f"{name} {step.get('equal', 0)}/{step.get('n', '?')} equal; {step.get('error', '')} {diverged}")
+        else:
+            concurrent = step.get("concurrent", {})
+            lines.append(f"{name} { {k: v for k, v in step.items() if k != 'concurrent'} } {concurrent.get('ok')} "
+                         f"{concurrent.get('used_tokens_after_flush')}")
+    return lines
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/out"))
+    ap.add_argument("--summary", metavar="FILE", default=None,
+                    help="print the steps of the report FILE (a serving_check.json) one line each, and exit")
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--prompts", type=int, default=10)
     ap.add_argument("--new-tokens", type=int, default=8)
@@ -122,6 +141,9 @@ def main() -> None:
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
                     help="cpu: the CPU server in float32 (a smoke check of the dense step on a small model)")
     a = ap.parse_args()
+    if a.summary:
+        print("\n".join(summary(json.loads(Path(a.summary).read_text()))))
+        return
     if a.device == "cpu":
         DEVICE.update(device="cpu", dtype="float32")
     out = Path(a.out)
