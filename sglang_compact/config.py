@@ -75,7 +75,7 @@ class CompactConfig:
             whose selection loses its attention mass in a few layers (Qwen2.5-Coder-0.5B: its last ones, see
             docs/results/accuracy.md). Empty by default.
         density_cap: optional upper bound on each row's density, in (0, 1].
-        prefill_kernel: FlashInfer backend on CUDA: "fa2", "fa3" (Hopper; planned
+        prefill_kernel: the sparse rows' kernel on CUDA: FlashInfer's "fa2", "fa3" (Hopper; planned
             once per forward pass only when the row lengths are known on the host:
             dense passes, selectors that fix row lengths), "sgl-fa3" (the sparse rows on
             sgl_kernel's FA3, stock fa3's kernel, planned once for every selector; Hopper only),
