@@ -16,7 +16,7 @@ from typing import Any, Mapping
 from sglang_compact.selectors.registry import (SelectorParams, SelectorSpec, import_selector_modules,  # noqa: F401
                                                parse_layer_ids, selector_names, selector_spec)
 
-PREFILL_KERNELS = ("auto", "fa2", "fa3")
+PREFILL_KERNELS = ("auto", "fa2", "fa3", "sgl-fa3")
 DENSE_KERNELS = ("auto", "flashinfer", "sgl-fa3")
 PREFIX_CACHE_POLICIES = ("exact", "reuse")
 
@@ -75,10 +75,11 @@ class CompactConfig:
             whose selection loses its attention mass in a few layers (Qwen2.5-Coder-0.5B: its last ones, see
             docs/results/accuracy.md). Empty by default.
         density_cap: optional upper bound on each row's density, in (0, 1].
-        prefill_kernel: FlashInfer backend on CUDA: "fa2", "fa3" (Hopper; planned
+        prefill_kernel: the sparse rows' kernel on CUDA: FlashInfer's "fa2", "fa3" (Hopper; planned
             once per forward pass only when the row lengths are known on the host:
-            dense passes, selectors that fix row lengths), or "auto" (fa3 on sm90
-            where it is planned once, else fa2). Ignored on CPU.
+            dense passes, selectors that fix row lengths), "sgl-fa3" (the sparse rows on
+            sgl_kernel's FA3, stock fa3's kernel, planned once for every selector; Hopper only),
+            or "auto" (fa3 on sm90 where it is planned once, else fa2). Ignored on CPU.
         dense_kernel: the kernel of dense passes on CUDA: "sgl-fa3" (sgl_kernel's FA3, what stock SGLang's
             fa3 backend, its default on Hopper, runs; Hopper only), "flashinfer" (`prefill_kernel`'s), or
             "auto" (sgl-fa3 where it runs, else flashinfer). Ignored on CPU.

@@ -25,6 +25,8 @@ def test_method_names():
     assert method_args("compact-dense")[1][-2:] == ["--compact-selector", "dense"]
     fidense = method_args("compact-dense-fidense")[1]   # dense passes on FlashInfer, not sgl_kernel's FA3
     assert fidense[-4:] == ["--compact-dense-kernel", "flashinfer", "--compact-selector", "dense"]
+    sglrows = method_args("compact-quest_budget-0.3-sglrows")[1]   # the sparse rows on sgl_kernel's FA3
+    assert sglrows[3:5] == ["--compact-prefill-kernel", "sgl-fa3"] and sglrows[-3] == "quest_budget"
     assert method_args("compact-quest_budget-0.33")[1][-4:] == ["--compact-selector", "quest_budget",
                                                                 "--compact-selector-params", '{"density": 0.33}']
     with pytest.raises(ValueError):

@@ -53,6 +53,8 @@ def layers_of_one_pass(prefix, chunk, hq, hkv, d, seeds, **kw):
 
 
 def executor(b, kernel="fa2"):
+    if kernel == "sgl-fa3":
+        sgl_fa3_or_skip()
     return make_flashinfer_executor(kernel, DEV, max_rows=b.num_rows, max_indices=b.num_rows * b.qblocks.max_pages)
 
 
@@ -70,7 +72,7 @@ SHAPES = [(32, 8, 128), (16, 4, 128), (9, 3, 64), (14, 2, 64)]
 @pytest.mark.parametrize("context", [8192, 65536])
 @pytest.mark.parametrize("hq,hkv,d", SHAPES)
 @pytest.mark.parametrize("selector", ["flashprefill", "budget"])
-@pytest.mark.parametrize("kernel", ["fa2", "fa3-auto"])
+@pytest.mark.parametrize("kernel", ["fa2", "fa3-auto", "sgl-fa3"])
 def test_rows_executor_matches_reference(context, hq, hkv, d, selector, kernel):
     # two requests: prefixes not page aligned, a 1024 chunk and a shorter one; the second's last windows dense
     b = gpu_batch([context, context - 1000 - 17], [1024, 517], hq, hkv, d, seed=context + hq + d,
@@ -85,7 +87,7 @@ def test_rows_executor_matches_reference(context, hq, hkv, d, selector, kernel):
     assert err <= 1e-2 and out.isfinite().all()
 
 
-@pytest.mark.parametrize("kernel", ["fa2", "fa3-auto"])
+@pytest.mark.parametrize("kernel", ["fa2", "fa3-auto", "sgl-fa3"])
 @pytest.mark.parametrize("selector", ["flashprefill", "budget"])
 def test_dense_windows_of_a_sparse_pass_are_one_dense_pass(kernel, selector):
     """A pass mixing sparse and dense windows: the dense ones' rows name their own pages only, and their output is
@@ -107,7 +109,7 @@ def test_dense_windows_of_a_sparse_pass_are_one_dense_pass(kernel, selector):
         w = r % NW
         if not qb.w_sparse[w]:
             assert c == qb.w_last[w] - qb.w_first[w] + 1
-    dense_kernel = "fa3" if kernel.startswith("fa3") else "fa2"
+    dense_kernel = "fa2" if kernel == "fa2" else "fa3"
     ws = torch.empty(256 << 20, dtype=torch.uint8, device=DEV)
     fresh = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws, "HND", backend=dense_kernel)
     ends = [pos + n for _, _, n, pos in segs]
@@ -191,7 +193,7 @@ def test_dense_passes_of_a_32k_prompt_on_qwen_shapes(kernel):
 
 
 @pytest.mark.parametrize("kernel,selector", [("fa2", "dense"), ("fa3", "dense"), ("fa2", "flashprefill"),
-                                             ("fa3-auto", "budget")])
+                                             ("fa3-auto", "budget"), ("sgl-fa3", "flashprefill")])
 def test_passes_planned_while_the_gpu_lags(kernel, selector):
     """Every pass planned while the GPU still runs the earlier ones (a sleep kernel queued before each, as when
     other processes share the GPU) gives, bit for bit, what it gives planned on an idle GPU. FlashInfer's plan()
@@ -649,3 +651,28 @@ def test_cached_launch_equals_tritons_launch(selector, monkeypatch):
     assert kv_cache._store_kv_launch._compiled, "the store never launched from the cache"
     for x, y in zip(got, want):
         assert torch.equal(x, y)
+
+
+@pytest.mark.parametrize("hq,hkv,d", [(32, 8, 128), (14, 2, 64)])
+def test_rows_on_sgl_fa3_planned_once_serve_layers_whose_rows_differ(hq, hkv, d):
+    """`--compact-prefill-kernel sgl-fa3`: FA3 reads the rows' lengths on the device, so the plan made once per
+    forward pass serves layers whose rows' lengths differ (flashprefill, whose rows follow each layer's scores):
+    every layer bit for bit what a plan made for that layer alone gives, and each against the plain-torch
+    reference; a row's pages past its length in the table (left by a longer earlier layer) are never read."""
+    layers = layers_of_one_pass([30000 + 17, 9000], [1024, 777], hq, hkv, d, seeds=[41, 42, 43])
+    b0 = layers[0]
+    cfg = CompactConfig(block_size=P, selector="flashprefill", selector_params={"alpha": 0.1})
+    once = executor(b0, "sgl-fa3")
+    once.plan_forward(ForwardShape.of(b0), b0.page_table)
+    assert once.mode == "rows"
+    counts = set()
+    for layer, b in enumerate(layers):
+        out, sel = run_layer(b, cfg, once, plan=False)
+        counts.add(tuple((sel.indices.kv_indptr[1:] - sel.indices.kv_indptr[:-1]).tolist()))
+        fresh, _ = run_layer(b, cfg, executor(b, "sgl-fa3"))
+        assert torch.equal(out, fresh), (layer, rel_err(out, fresh))
+        err = rel_err(out, reference_attention(b, sel.table))
+        print(f"sgl-fa3 rows heads={hq}/{hkv} d={d} layer {layer}: density={float(sel.density):.3f} "
+              f"rel_err={err:.2e}")
+        assert err <= 1e-2 and out.isfinite().all()
+    assert len(counts) > 1, "the layers' rows should differ in length"

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from sglang_compact.kernels import antidiagonal, antidiagonal_naive, flashprefill, flashprefill_naive, indices, \
-    indices_naive, kv_cache, kv_cache_naive, union, union_naive
+    indices_naive, kv_cache, kv_cache_naive, row_page_table, row_page_table_naive, union, union_naive
 from _cases import random_geometry
 
 SEEDS = range(6)
@@ -236,6 +236,30 @@ def test_indices_equal_reference(seed):
     pages = table[g, w].nonzero().flatten()
     want = case["page_table"][qb.w_req[w], pages] * 3 + g
     assert torch.equal(ni[np_[r]:np_[r + 1]], want.to(torch.int32))
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_row_page_table_equals_reference_and_leaves_the_padding(seed):
+    """CSR rows of the index kernels -> FA3's padded page table and KV lengths; rows longer than one tile."""
+    g = torch.Generator().manual_seed(seed)
+    R, P = int(torch.randint(1, 9, (1,), generator=g)), 16
+    counts = torch.randint(1, 40 if seed % 2 else 2000, (R,), generator=g)
+    kv_indptr = torch.zeros(R + 1, dtype=torch.int32)
+    kv_indptr[1:] = torch.cumsum(counts, 0)
+    kv_indices = torch.randint(0, 10**6, (int(kv_indptr[-1]) + 5,), generator=g, dtype=torch.int32)
+    last = torch.randint(1, P + 1, (R,), generator=g, dtype=torch.int32)
+    W = int(counts.max()) + 3
+    got = [torch.full((R + 2, W), -7, dtype=torch.int32), torch.full((R + 2,), -7, dtype=torch.int32)]
+    want = [t.clone() for t in got]
+    row_page_table.row_page_table(kv_indptr, kv_indices, last, P, *got)
+    row_page_table_naive.row_page_table(kv_indptr, kv_indices, last, P, *want)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    for r in range(R):
+        n = int(counts[r])
+        assert torch.equal(want[0][r, :n], kv_indices[int(kv_indptr[r]):int(kv_indptr[r + 1])])
+        assert (want[0][r, n:] == -7).all()
+        assert int(want[1][r]) == (n - 1) * P + int(last[r])
+    assert (want[0][R:] == -7).all() and (want[1][R:] == -7).all()
 
 
 def write_stream(seed, P=16, H=2, D=32, pages=10):

@@ -64,6 +64,7 @@ from sglang_compact.config import CompactConfig  # noqa: E402
 from sglang_compact.executors import ForwardShape  # noqa: E402
 from sglang_compact.executors.flashinfer_adapter import ragged_wrapper  # noqa: E402
 from sglang_compact.executors.flashinfer_executor import make_flashinfer_executor  # noqa: E402
+from sglang_compact.executors.sgl_fa3 import unavailable_reason  # noqa: E402
 from sglang_compact.executors.torch_executor import causal_context_attention  # noqa: E402
 from sglang_compact.kernels.launch import Launcher  # noqa: E402
 from sglang_compact.summaries import PageSummaries, store_kv  # noqa: E402
@@ -71,7 +72,9 @@ from sglang_compact.summaries import PageSummaries, store_kv  # noqa: E402
 SELECTORS = (("budget", {"density": 0.3}, "fa3"), ("mass_budget", {"density": 0.33}, "fa3"),
              ("quest_budget", {"density": 0.33}, "fa3"),
              ("quest_budget", {"density": 0.33, "cached_launch": True}, "fa3"),
-             ("flashprefill", {"alpha": 0.4}, "fa2"), ("flashprefill", {"alpha": 0.4, "fix_rows": True}, "fa3"))
+             ("flashprefill", {"alpha": 0.4}, "fa2"), ("flashprefill", {"alpha": 0.4, "fix_rows": True}, "fa3"),
+             # the rows on sgl_kernel's FA3 (`--compact-prefill-kernel sgl-fa3`), where its library is there
+             ("quest_budget", {"density": 0.33}, "sgl-fa3"), ("flashprefill", {"alpha": 0.4}, "sgl-fa3"))
 
 
 def make_layer(selector: str, params: dict, kernel: str, context: int, chunk: int):
@@ -310,7 +313,11 @@ def main() -> int:
     dense = []
     layers, ref = dense_layers(a.dense_tokens) if a.path in ("dense", "both") else ([], None)
     sparse = []
+    fa3_missing = unavailable_reason(torch.device("cuda"), torch.bfloat16, 128)
     for selector, params, kernel in SELECTORS if a.path != "dense" else ():
+        if kernel == "sgl-fa3" and fa3_missing:
+            print(f"{selector} on sgl-fa3 rows: skipped ({fa3_missing})", flush=True)
+            continue
         layer, mode = make_layer(selector, params, kernel, a.context, a.chunk)
         sparse.append((selector, params, kernel, mode, layer))
     host = [spread(ts) for ts in host_ms_rounds([fn for _, fn in layers] + [s[-1] for s in sparse], a.layers,

@@ -42,7 +42,7 @@ import torch
 from sglang_compact.batch import ChunkBatch, host_cumsum
 from sglang_compact.executors import flashinfer_adapter as fi
 from sglang_compact.executors.base import ForwardShape, rows_from_tokens, tokens_from_rows
-from sglang_compact.executors.sgl_fa3 import FA3DensePass
+from sglang_compact.executors.sgl_fa3 import FA3DensePass, FA3Rows
 from sglang_compact.indices import IndexBuffers, PagedIndices
 
 DEFAULT_WORKSPACE_BYTES = 256 * 1024 * 1024
@@ -159,13 +159,17 @@ class FlashInferExecutor:
         """(kernel, kv_indptr to plan with, extra plan arguments) of a sparse pass."""
         return "fa2", shape.rows_upper_bound(), dict(disable_split_kv=True)
 
+    def _check_rows(self, shape: ForwardShape) -> list[int]:
+        """The rows' upper-bound kv_indptr (`rows_upper_bound`), after checking that the pass fits."""
+        ub = shape.rows_upper_bound()
+        if shape.num_rows > self.max_rows or ub[-1] > self.max_indices:
+            raise ValueError(f"forward pass needs {shape.num_rows} rows / {ub[-1]} page indices; the executor "
+                             f"holds {self.max_rows} / {self.max_indices}")
+        return ub
+
     def _plan_rows(self, shape: ForwardShape) -> None:
         s = shape
-        R = s.num_rows
-        ub = s.rows_upper_bound()
-        if R > self.max_rows or ub[-1] > self.max_indices:
-            raise ValueError(f"forward pass needs {R} rows / {ub[-1]} page indices; the executor holds "
-                             f"{self.max_rows} / {self.max_indices}")
+        ub = self._check_rows(s)
         self._qo = _i32(s.qblocks.rows_qo_indptr(s.num_kv_heads, s.total_tokens))
         self._last = _i32(s.qblocks.last_page_len() * s.num_kv_heads)
         kernel, kv_indptr, extra = self._rows_plan(s)
@@ -214,6 +218,14 @@ class FlashInferExecutor:
         return self._dense.run(q, (k_pool, v_pool), out=out)
 
     def _run_rows(self, batch: ChunkBatch, indices: PagedIndices) -> torch.Tensor:
+        o = self._rows(batch, indices)
+        if self._apart is not None:
+            apart, tokens = self._apart
+            o.index_copy_(0, tokens, apart.run(batch.q.index_select(0, tokens), (batch.k_pool, batch.v_pool)))
+        return o
+
+    def _rows(self, batch: ChunkBatch, indices: PagedIndices) -> torch.Tensor:
+        """The rows' attention, o [T, H_q, D] (a window computed apart: garbage, overwritten by `_run_rows`)."""
         s = self.shape
         H_kv, P, D = s.num_kv_heads, s.page_size, s.head_dim
         w = self._paged_wrapper(self._rows_kernel, "rows")
@@ -224,11 +236,7 @@ class FlashInferExecutor:
         else:
             self._load(indices)
         kv = (batch.k_pool.view(-1, 1, P, D), batch.v_pool.view(-1, 1, P, D))
-        o = tokens_from_rows(w.run(rows_from_tokens(batch.q, H_kv), kv), H_kv)
-        if self._apart is not None:
-            apart, tokens = self._apart
-            o.index_copy_(0, tokens, apart.run(batch.q.index_select(0, tokens), (batch.k_pool, batch.v_pool)))
-        return o
+        return tokens_from_rows(w.run(rows_from_tokens(batch.q, H_kv), kv), H_kv)
 
     def _load(self, indices: PagedIndices) -> None:
         """Make the wrapper read `indices` (a no-op when the index kernel wrote into its buffers)."""
@@ -263,13 +271,52 @@ class FlashInferFA3Executor(FlashInferExecutor):
         return "fa3", shape.rows_indptr(), {}
 
 
+class SglFA3RowsExecutor(FlashInferFA3Executor):
+    """Rows on sgl_kernel's FA3 (`sgl_fa3.FA3Rows`, the kernel stock SGLang's fa3 backend runs): FA3 reads each
+    row's length on the device, so one plan serves every layer for every selector, with no host sync and no
+    bound on the rows' lengths; FlashInfer's fa3 for the windows computed apart (and dense passes unless
+    `dense_fa3`). The index kernels write into the executor's own buffers, grown to the largest pass seen."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._fa3_rows: FA3Rows | None = None
+        self._row_buffers: tuple[IndexBuffers, torch.Tensor, torch.Tensor] | None = None
+
+    def _buffers(self, rows: int, indices: int, table: int) -> tuple[IndexBuffers, torch.Tensor, torch.Tensor]:
+        have = self._row_buffers
+        if have is None or have[0].max_rows < rows or have[0].max_indices < indices or have[1].numel() < table:
+            rows, indices, table = (max(rows, have[0].max_rows if have else 0),
+                                    max(indices, have[0].max_indices if have else 0),
+                                    max(table, have[1].numel() if have else 0))
+            self._row_buffers = (IndexBuffers(rows, indices, self.device),
+                                 torch.zeros(max(table, 1), dtype=torch.int32, device=self.device),
+                                 torch.zeros(max(rows, 1), dtype=torch.int32, device=self.device))
+        return self._row_buffers
+
+    def _plan_rows(self, shape: ForwardShape) -> None:
+        s = shape
+        ub = self._check_rows(s)
+        R = s.num_rows
+        buffers, table, seqlens = self._buffers(R, ub[-1], R * max(s.qblocks.rows_bound()))
+        self._fa3_rows = FA3Rows(s, s.qblocks.rows_qo_indptr(s.num_kv_heads, s.total_tokens),
+                                 s.qblocks.last_page_len() * s.num_kv_heads, table, seqlens, self.device)
+        self.mode = "rows"
+        self.index_buffers = buffers
+
+    def _rows(self, batch: ChunkBatch, indices: PagedIndices) -> torch.Tensor:
+        return self._fa3_rows.run(batch.q, batch.k_pool, batch.v_pool, indices)
+
+
 def make_flashinfer_executor(kernel: str, device, max_rows: int, max_indices: int,
                              dense_fa3: bool = False) -> FlashInferExecutor:
-    """kernel: "fa2"; "fa3" (rows always on fa3); "fa3-auto" (fa3 where one plan serves every layer).
+    """kernel: "fa2"; "fa3" (rows always on fa3); "fa3-auto" (fa3 where one plan serves every layer); "sgl-fa3"
+    (rows on sgl_kernel's FA3, planned once for every selector).
     dense_fa3: dense passes on sgl_kernel's FA3 (what stock SGLang's fa3 backend runs)."""
+    if kernel == "sgl-fa3":
+        return SglFA3RowsExecutor(device, max_rows, max_indices, dense_fa3=dense_fa3)
     if kernel == "fa2":
         return FlashInferFA2Executor(device, max_rows, max_indices, dense_fa3=dense_fa3)
     if kernel in ("fa3", "fa3-auto"):
         return FlashInferFA3Executor(device, max_rows, max_indices, per_layer_rows=kernel == "fa3",
                                      dense_fa3=dense_fa3)
-    raise ValueError(f"FlashInfer kernel must be 'fa2', 'fa3' or 'fa3-auto', got {kernel!r}")
+    raise ValueError(f"rows kernel must be 'fa2', 'fa3', 'fa3-auto' or 'sgl-fa3', got {kernel!r}")

@@ -28,6 +28,8 @@ from __future__ import annotations
 import torch
 
 from sglang_compact.batch import host_cumsum
+from sglang_compact.executors.base import rows_from_tokens, tokens_from_rows
+from sglang_compact.kernels import row_page_table, row_page_table_naive, use_triton
 
 #: head dims FA3's forward kernels are built for
 HEAD_DIMS = (64, 96, 128, 192, 256)
@@ -80,3 +82,45 @@ class FA3DensePass:
                            page_table=self.page_table, cache_seqlens=self.cache_seqlens,
                            cu_seqlens_q=self.cu_seqlens_q, max_seqlen_q=self.max_seqlen_q,
                            softmax_scale=self.sm_scale, causal=True, out=out)
+
+
+class FA3Rows:
+    """A sparse pass's rows (kv head, window) on FA3, planned once per forward pass; `run` per layer.
+
+    The rows are those of the FlashInfer executors (`indices.py`): the pool viewed as one-kv-head pages
+    `page * H_kv + g`, queries `[H_kv * T, G, D]`, a row's last pages its window's own, so FA3's bottom-right
+    causal mask is each query's. FA3 takes the rows' page tables and lengths on the device, so the plan holds
+    only what the pass's shape fixes (the rows' query offsets, last-page lengths, the table's width) and
+    serves every layer whatever its rows' lengths: per layer one table kernel turns the index kernel's
+    CSR into the padded table FA3 reads (`kernels/row_page_table.py`), then one FA3 call.
+
+    shape: the pass's `ForwardShape`; table, seqlens: int32 device buffers of at least R * W and R elements;
+    paged: FA3's paged call (sgl_kernel's `flash_attn_with_kvcache` unless given: a test's twin of its contract).
+    """
+
+    def __init__(self, shape, qo_indptr: list[int], last_page_len: list[int], table: torch.Tensor,
+                 seqlens: torch.Tensor, device: torch.device, paged=None):
+        if paged is None:
+            from sgl_kernel.flash_attn import flash_attn_with_kvcache as paged
+        self._paged = paged
+        R = shape.num_rows
+        width = max(shape.qblocks.rows_bound())
+        self.table = table[:R * width].view(R, width)
+        self.seqlens = seqlens[:R]
+        host = torch.tensor(list(qo_indptr) + list(last_page_len), dtype=torch.int32)
+        host = host.to(device, non_blocking=True)
+        self.cu_seqlens_q, self.last_page_len = host[:R + 1], host[R + 1:]
+        self.max_seqlen_q = max(b - a for a, b in zip(qo_indptr[:-1], qo_indptr[1:]))
+        self.num_kv_heads, self.page_size, self.sm_scale = shape.num_kv_heads, shape.page_size, shape.sm_scale
+
+    def run(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, indices) -> torch.Tensor:
+        """q [T, H_q, D] against the pages of `indices` (a `PagedIndices` of this pass's rows) -> o [T, H_q, D]."""
+        impl = row_page_table if use_triton(indices.kv_indices) else row_page_table_naive
+        impl.row_page_table(indices.kv_indptr, indices.kv_indices, self.last_page_len, self.page_size, self.table,
+                            self.seqlens)
+        H_kv, P, D = self.num_kv_heads, self.page_size, q.shape[-1]
+        o = self._paged(q=rows_from_tokens(q, H_kv), k_cache=k_pool.view(-1, 1, P, D).transpose(1, 2),
+                        v_cache=v_pool.view(-1, 1, P, D).transpose(1, 2), page_table=self.table,
+                        cache_seqlens=self.seqlens, cu_seqlens_q=self.cu_seqlens_q, max_seqlen_q=self.max_seqlen_q,
+                        softmax_scale=self.sm_scale, causal=True)
+        return tokens_from_rows(o, H_kv)

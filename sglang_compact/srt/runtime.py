@@ -26,12 +26,18 @@ def is_hopper(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
 
 
-def resolve_prefill_kernel(config: CompactConfig, device: torch.device, dtype: torch.dtype) -> str:
-    """The FlashInfer kernel for `config.prefill_kernel` on this device: "fa2", "fa3" (rows on fa3 even when
-    their lengths vary: planned per layer) or "fa3-auto" (fa3 where one plan serves every layer, fa2 rows
-    otherwise)."""
+def resolve_prefill_kernel(config: CompactConfig, device: torch.device, dtype: torch.dtype, head_dim: int) -> str:
+    """The rows' kernel for `config.prefill_kernel` on this device: "fa2", "fa3" (rows on FlashInfer's fa3 even
+    when their lengths vary: planned per layer), "fa3-auto" (fa3 where one plan serves every layer, fa2 rows
+    otherwise) or "sgl-fa3" (sgl_kernel's FA3, planned once)."""
     hopper = is_hopper(device)
     want = config.prefill_kernel
+    if want == "sgl-fa3":
+        from sglang_compact.executors import sgl_fa3
+        why = sgl_fa3.unavailable_reason(device, dtype, head_dim)
+        if why is not None:
+            raise UnsupportedModelError(f"--compact-prefill-kernel sgl-fa3: {why}; use auto, fa2 or fa3")
+        return want
     if want == "auto":
         return "fa3-auto" if hopper and dtype != torch.float32 else "fa2"
     if want == "fa3":
@@ -67,13 +73,14 @@ def check_layer_rows(config: CompactConfig, view: compat.RunnerView, planned_onc
                      selector_layers: tuple[int, ...] = ()) -> None:
     """Layers whose rows differ from the pass's plan against the model and the rows' plan: those the
     selector's own per-layer parameters name (`Selector.own_layers`), and `--compact-dense-layers`. Their rows'
-    lengths differ from the other layers', so the rows need a plan made with bounds (fa2)."""
+    lengths differ from the other layers', so the rows need a plan made with bounds (fa2) or FA3's lengths read on the
+    device (sgl-fa3)."""
     if selector_layers:
         if planned_once:
             raise UnsupportedModelError(f"selector {config.selector!r} with per-layer parameters (layers "
                                         f"{','.join(map(str, selector_layers))}): its rows' lengths differ between "
                                         "layers, so they cannot run on fa3 planned once per forward pass: add "
-                                        "--compact-prefill-kernel fa2")
+                                        "--compact-prefill-kernel fa2 (or sgl-fa3 on Hopper)")
         bad = [x for x in selector_layers if x >= view.model_layers]
         if bad:
             raise UnsupportedModelError(f"--compact-selector-params: layers {bad} are not among the model's "
@@ -98,7 +105,7 @@ def check_dense_layers(config: CompactConfig, view: compat.RunnerView, planned_o
     if planned_once:
         raise UnsupportedModelError(f"--compact-dense-layers with selector {config.selector!r}: its rows run on fa3, "
                                     "planned once from their lengths, which a layer reading every page would "
-                                    "change: add --compact-prefill-kernel fa2")
+                                    "change: add --compact-prefill-kernel fa2 (or sgl-fa3 on Hopper)")
 
 
 @dataclass
@@ -147,7 +154,7 @@ class CompactRuntime:
                                         f"({window} tokens): use a multiple, or set --compact-union-window to a "
                                         f"divisor of it")
         if view.device.type == "cuda":
-            kernel = resolve_prefill_kernel(config, view.device, view.kv_dtype)
+            kernel = resolve_prefill_kernel(config, view.device, view.kv_dtype, view.head_dim)
             dense_kernel = resolve_dense_kernel(config, view.device, view.kv_dtype, view.head_dim)
             # a pass has at most max_tokens / W + max_requests windows (a chunk's ends may be partial windows)
             max_windows = cdiv(view.chunked_prefill_size or view.context_len, window) + view.max_requests
@@ -163,11 +170,14 @@ class CompactRuntime:
             capability, multiprocessors = "", 0
         shape = ModelShape(h_q, view.num_kv_heads, view.head_dim, view.page_size)
         fixed = config.spec.fixes_row_lengths or config.spec.fixes_rows_at_observing_layer(config.params)
-        rows_kernel = "fa3" if kernel == "fa3" or (kernel == "fa3-auto" and fixed) else "fa2"
-        check_layer_rows(config, view, planned_once=rows_kernel == "fa3" and fixed,
+        # the cost model prices sgl_kernel's FA3 rows as FlashInfer's fa3 rows until it is calibrated for them
+        rows_kernel = "fa3" if kernel in ("fa3", "sgl-fa3") or (kernel == "fa3-auto" and fixed) else "fa2"
+        # FA3's rows read their lengths on the device: layers may differ in their rows' lengths
+        check_layer_rows(config, view, planned_once=kernel != "sgl-fa3" and rows_kernel == "fa3" and fixed,
                          selector_layers=compact.selector.own_layers())
-        gate = Gate.for_server(config, shape, view.chunked_prefill_size, device_name,
-                               "fa3" if kernel.startswith("fa3") else "fa2", view.context_len, rows_kernel,
+        dense_cost_kernel = "fa3" if kernel in ("fa3", "fa3-auto", "sgl-fa3") else "fa2"
+        gate = Gate.for_server(config, shape, view.chunked_prefill_size, device_name, dense_cost_kernel,
+                               view.context_len, rows_kernel,
                                num_layers=view.num_layers, capability=capability, multiprocessors=multiprocessors)
         summaries = None
         if compact.uses_summaries and not gate.decision.never:
