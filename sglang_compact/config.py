@@ -79,7 +79,8 @@ class CompactConfig:
             once per forward pass only when the row lengths are known on the host:
             dense passes, selectors that fix row lengths), "sgl-fa3" (the sparse rows on
             sgl_kernel's FA3, stock fa3's kernel, planned once for every selector; Hopper only),
-            or "auto" (fa3 on sm90 where it is planned once, else fa2). Ignored on CPU.
+            or "auto" (sgl-fa3 where it runs; else fa3 on sm90 where it is planned once, else fa2). Ignored on
+            CPU.
         dense_kernel: the kernel of dense passes on CUDA: "sgl-fa3" (sgl_kernel's FA3, what stock SGLang's
             fa3 backend, its default on Hopper, runs; Hopper only), "flashinfer" (`prefill_kernel`'s), or
             "auto" (sgl-fa3 where it runs, else flashinfer). Ignored on CPU.

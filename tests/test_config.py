@@ -142,6 +142,23 @@ def test_dense_kernel_off_hopper():
         resolve_dense_kernel(CompactConfig(dense_kernel="sgl-fa3"), cpu, torch.bfloat16, 64)
 
 
+def test_prefill_kernel_off_hopper():
+    """`--compact-prefill-kernel`: auto runs the rows on fa2 where no Hopper GPU holds the cache (sgl_kernel's FA3
+    and FlashInfer's fa3 need one); sgl-fa3 asked for there is refused at start, with the reason."""
+    import torch
+
+    from sglang_compact.srt.model_checks import UnsupportedModelError
+    from sglang_compact.srt.runtime import resolve_prefill_kernel
+
+    cpu = torch.device("cpu")
+    for selector in ("flashprefill", "budget"):
+        assert resolve_prefill_kernel(CompactConfig(selector=selector), cpu, torch.bfloat16, 64) == "fa2"
+    with pytest.raises(UnsupportedModelError, match="--compact-prefill-kernel sgl-fa3: FA3 runs on CUDA GPUs"):
+        resolve_prefill_kernel(CompactConfig(prefill_kernel="sgl-fa3"), cpu, torch.bfloat16, 64)
+    with pytest.raises(UnsupportedModelError, match="--compact-prefill-kernel fa3 needs a Hopper"):
+        resolve_prefill_kernel(CompactConfig(prefill_kernel="fa3"), cpu, torch.bfloat16, 64)
+
+
 @pytest.mark.parametrize("page, stride, ok", [(32, 2, True), (64, 4, True), (32, 4, False), (16, 2, False)])
 def test_a_query_stride_below_the_search_kernels_tile_is_refused_on_cuda(page, stride, ok):
     """At launch and server start (`srt.model_checks.check_search_kernel`): on CUDA a `query_stride` leaving fewer

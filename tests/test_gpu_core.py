@@ -676,3 +676,20 @@ def test_rows_on_sgl_fa3_planned_once_serve_layers_whose_rows_differ(hq, hkv, d)
               f"rel_err={err:.2e}")
         assert err <= 1e-2 and out.isfinite().all()
     assert len(counts) > 1, "the layers' rows should differ in length"
+
+
+@pytest.mark.parametrize("selector", ["flashprefill", "budget"])
+def test_auto_takes_sgl_fa3_rows_where_its_library_runs(selector):
+    """`--compact-prefill-kernel auto`: the rows go to sgl_kernel's FA3 on Hopper where it runs (faster than
+    FlashInfer's fa3 rows at 128K and 32K on the H100, docs/results/rows_sgl_fa3/), else to FlashInfer's kernels;
+    fp32 caches keep fa2."""
+    from sglang_compact.executors.sgl_fa3 import unavailable_reason
+    from sglang_compact.srt.runtime import is_hopper, resolve_prefill_kernel
+
+    cfg, dev = CompactConfig(selector=selector), torch.device(DEV)
+    got = resolve_prefill_kernel(cfg, dev, torch.bfloat16, 128)
+    if unavailable_reason(dev, torch.bfloat16, 128) is None:
+        assert got == "sgl-fa3"
+    else:
+        assert got == ("fa3-auto" if is_hopper(dev) else "fa2")
+    assert resolve_prefill_kernel(cfg, dev, torch.float32, 128) == "fa2"
