@@ -41,7 +41,8 @@ metrics cost a stock server);
 `compact:quest_budget:density=0.2,min_tokens=3072`: a candidate timed as its accuracy was measured), any of them with
 `-fa2` (`--compact-prefill-kernel fa2`), `-fidense` (`--compact-dense-kernel flashinfer`: dense passes on
 FlashInfer, as before sgl_kernel's FA3 ran them), `-sglrows` (`--compact-prefill-kernel sgl-fa3`: the sparse rows
-on sgl_kernel's FA3), `-at0` (`--compact-min-context 0`: sparse from the start) or `-nometrics`
+on sgl_kernel's FA3, `auto`'s choice where it runs), `-firows` (`--compact-prefill-kernel fa3`: the rows on
+FlashInfer's fa3, `auto`'s choice before; planned per layer for a threshold selector), `-at0` (`--compact-min-context 0`: sparse from the start) or `-nometrics`
 (no `--enable-metrics`, as a user runs it by default: its rows have no density) or `-cachedlaunch`
 (`SGLANG_COMPACT_CACHED_LAUNCH=1`: our Triton kernels launched from their compiled kernels, `kernels/launch.py`)
 or `-reuse` (`--compact-prefix-cache reuse`: the radix cache keeps and serves everything, as stock does).
@@ -116,7 +117,7 @@ def method_args(method: str) -> tuple[str, list[str]]:
     flags = ["--attention-backend", "compact", "--enable-metrics"]
     name = method
     suffixes = {"-fa2": ["--compact-prefill-kernel", "fa2"], "-fidense": ["--compact-dense-kernel", "flashinfer"],
-                "-sglrows": ["--compact-prefill-kernel", "sgl-fa3"],
+                "-sglrows": ["--compact-prefill-kernel", "sgl-fa3"], "-firows": ["--compact-prefill-kernel", "fa3"],
                 "-at0": ["--compact-min-context", "0"], "-nometrics": [],
                 "-reuse": ["--compact-prefix-cache", "reuse"],
                 **dict.fromkeys(ENV_SUFFIXES, [])}   # (environment variables: method_env)

@@ -27,6 +27,8 @@ def test_method_names():
     assert fidense[-4:] == ["--compact-dense-kernel", "flashinfer", "--compact-selector", "dense"]
     sglrows = method_args("compact-quest_budget-0.3-sglrows")[1]   # the sparse rows on sgl_kernel's FA3
     assert sglrows[3:5] == ["--compact-prefill-kernel", "sgl-fa3"] and sglrows[-3] == "quest_budget"
+    firows = method_args("compact-quest_budget-0.3-firows")[1]   # the sparse rows on FlashInfer's fa3
+    assert firows[3:5] == ["--compact-prefill-kernel", "fa3"] and firows[-3] == "quest_budget"
     assert method_args("compact-quest_budget-0.33")[1][-4:] == ["--compact-selector", "quest_budget",
                                                                 "--compact-selector-params", '{"density": 0.33}']
     with pytest.raises(ValueError):
