@@ -42,7 +42,8 @@ metrics cost a stock server);
 `-fa2` (`--compact-prefill-kernel fa2`), `-fidense` (`--compact-dense-kernel flashinfer`: dense passes on
 FlashInfer, as before sgl_kernel's FA3 ran them), `-sglrows` (`--compact-prefill-kernel sgl-fa3`: the sparse rows
 on sgl_kernel's FA3, `auto`'s choice where it runs), `-firows` (`--compact-prefill-kernel fa3`: the rows on
-FlashInfer's fa3, `auto`'s choice before; planned per layer for a threshold selector), `-at0` (`--compact-min-context 0`: sparse from the start) or `-nometrics`
+FlashInfer's fa3, `auto`'s choice before; planned per layer for a threshold selector), `-at0`
+(`--compact-min-context 0`: sparse from the start) or `-nometrics`
 (no `--enable-metrics`, as a user runs it by default: its rows have no density) or `-cachedlaunch`
 (`SGLANG_COMPACT_CACHED_LAUNCH=1`: our Triton kernels launched from their compiled kernels, `kernels/launch.py`)
 or `-reuse` (`--compact-prefix-cache reuse`: the radix cache keeps and serves everything, as stock does).

@@ -17,8 +17,8 @@ source scripts/gpu/fa3_library.sh
 R=/tmp/res/rows; mkdir -p $R
 pack() { tar czf $OUT/rows.tgz -C /tmp/res rows; }
 if [[ " $STEPS " == *" tests "* ]]; then
-  timeout ${TESTS_S:-200} python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu_core.py -k "sgl or auto_takes" -s \
-    > $R/gpu_tests.log 2>&1
+  timeout ${TESTS_S:-200} python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu_core.py \
+    -k "sgl or auto_takes" -s > $R/gpu_tests.log 2>&1
   echo "gpu tests: $(tail -1 $R/gpu_tests.log)"; grep -E "^FAILED|Error" $R/gpu_tests.log | head -8
   grep -E "sgl-fa3 rows|rows.*sgl-fa3|sgl-fa3 context" $R/gpu_tests.log | head -12
 fi

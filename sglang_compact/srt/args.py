@@ -93,8 +93,8 @@ def add_compact_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--compact-density-cap", type=float, default=None,
                    help="upper bound on each row's density, in (0, 1]")
     g.add_argument("--compact-prefill-kernel", default=d.prefill_kernel, choices=PREFILL_KERNELS,
-                   help="kernel of the sparse rows on CUDA: auto (default: sgl-fa3 where it runs, else FlashInfer's fa3 on "
-                        "Hopper where one plan serves every layer, else fa2), fa2, fa3 (FlashInfer's), sgl-fa3 "
+                   help="kernel of the sparse rows on CUDA: auto (default: sgl-fa3 where it runs, else FlashInfer's "
+                        "fa3 on Hopper where one plan serves every layer, else fa2), fa2, fa3 (FlashInfer's), sgl-fa3 "
                         "(sgl_kernel's FA3, what stock --attention-backend fa3 runs: planned once for every selector; "
                         "Hopper)")
     g.add_argument("--compact-dense-kernel", default=d.dense_kernel, choices=DENSE_KERNELS,
