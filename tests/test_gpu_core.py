@@ -678,6 +678,27 @@ def test_rows_on_sgl_fa3_planned_once_serve_layers_whose_rows_differ(hq, hkv, d)
     assert len(counts) > 1, "the layers' rows should differ in length"
 
 
+@pytest.mark.parametrize("hq,hkv,d", [(32, 8, 128), (14, 2, 64)])
+@pytest.mark.parametrize("prefix,chunk", [(32768, 1024), (32768 + 17, 1000)])
+def test_rows_on_sgl_fa3_of_one_window_take_the_tokens_layout(hq, hkv, d, prefix, chunk):
+    """A pass of one window (a long prompt's chunk, chunk size <= the window) hands FA3 strided views of the
+    queries and the output, one row per kv head: against the plain-torch reference, and against the same rows
+    handed over kv-head-major (the copies it skips)."""
+    b = gpu_batch([prefix], [chunk], hq, hkv, d, seed=prefix + hq)
+    assert b.qblocks.windows == 1 and b.qblocks.any_sparse
+    cfg = CompactConfig(block_size=P, selector="quest_budget", selector_params={"density": 0.3})
+    ex = executor(b, "sgl-fa3")
+    out, sel = run_layer(b, cfg, ex)
+    assert ex._fa3_rows.one_window
+    ex._fa3_rows.one_window = False
+    copied = ex.run(b, sel.indices)
+    err = rel_err(out, reference_attention(b, sel.table))
+    diff = (out.float() - copied.float()).abs().max().item()
+    print(f"sgl-fa3 one window heads={hq}/{hkv} d={d} prefix={prefix}: density={float(sel.density):.3f} "
+          f"rel_err={err:.2e} max |tokens layout - rows layout|={diff:.2e}")
+    assert err <= 1e-2 and out.isfinite().all() and diff <= 1e-2
+
+
 @pytest.mark.parametrize("selector", ["flashprefill", "budget"])
 def test_auto_takes_sgl_fa3_rows_where_its_library_runs(selector):
     """`--compact-prefill-kernel auto`: the rows go to sgl_kernel's FA3 on Hopper where it runs (faster than
