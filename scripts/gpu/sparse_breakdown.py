@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Where the sparse path's GPU time per layer goes at long context (GPU host), against stock `fa3`'s layer.
+"""Where the sparse path's time per layer goes at long context (GPU host), against stock `fa3`'s layer.
 
     source scripts/gpu/setup.sh
     python3 scripts/gpu/sparse_breakdown.py --contexts 32768,65536,131072 --out $OUT/breakdown
@@ -12,9 +12,10 @@ inputs (`harness.synthetic.random_batch`). For each context:
 * stock `fa3`'s attention for the same chunk: Tri Dao's FA3 over the whole paged cache (prefix + chunk), the call
   SGLang 0.5.17's `FlashAttentionBackend.forward_extend` makes.
 
-Reported per layer: GPU ms by CUDA events over `--layers` back-to-back layers (what a pass pays, gaps included),
-and the profiler's kernel time by kernel (what to shrink: search, union, table, rows, merge). The sparse path's
-time over stock's, beside the density it read, says how far the fixed cost is from the rows' share.
+Reported per layer: ms by CUDA events over `--layers` layers launched back to back (gaps included: a layer whose
+host work outlasts its kernels shows its host time), and the profiler's kernel time by kernel (what to shrink:
+search, top pages, table, rows). The sparse path's time over stock's, beside the density it read, says how far the
+fixed cost is from the rows' share.
 
 Writes `sparse_breakdown.json` and `.md` into --out.
 """
@@ -120,7 +121,7 @@ def main() -> int:
     meta = dict(gpu=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                 command="python3 scripts/gpu/sparse_breakdown.py " + " ".join(sys.argv[1:]))
     (out / "sparse_breakdown.json").write_text(json.dumps(dict(meta, rows=rows), indent=1))
-    lines = [f"# Sparse layer's GPU time against stock `fa3`'s ({meta['gpu']}, {meta['date']})", "",
+    lines = [f"# Sparse layer's time against stock `fa3`'s ({meta['gpu']}, {meta['date']})", "",
              f"`{meta['command']}`", "",
              "| context | variant | ms / layer (CUDA events, layers back to back) | of stock fa3 |",
              "| --- | --- | --- | --- |"]
