@@ -109,3 +109,15 @@ def test_a_pass_of_one_window_hands_fa3_the_tokens_own_layout(selector, params, 
     assert call["q"].shape == (2, chunk, 3, 16) and call["q"].data_ptr() == b.q.data_ptr()
     assert call["out"].data_ptr() == out.data_ptr() and "cu_seqlens_q" not in call
     torch.testing.assert_close(out, reference_attention(b, sel.table), atol=2e-5, rtol=2e-5)
+
+
+def test_the_ab_script_switches_the_one_window_call_it_names():
+    # scripts/gpu/one_window_ab.sh times the varlen rows by rewriting this line in the GPU host's copy: the line
+    # it looks for must be the source's, once
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    script = (root / "scripts/gpu/one_window_ab.sh").read_text()
+    line = re.search(r"^ONE='(.*)'$", script, re.M).group(1)
+    assert (root / "sglang_compact/executors/sgl_fa3.py").read_text().count(line) == 1
