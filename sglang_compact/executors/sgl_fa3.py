@@ -128,11 +128,11 @@ class FA3Rows:
         H_kv, P, D = self.num_kv_heads, self.page_size, q.shape[-1]
         k_cache, v_cache = k_pool.view(-1, 1, P, D).transpose(1, 2), v_pool.view(-1, 1, P, D).transpose(1, 2)
         if self.one_window:
-            T, H_q = q.shape[:2]
+            groups = (H_kv, q.shape[1] // H_kv)
             out = torch.empty_like(q)
-            self._paged(q=q.unflatten(1, (H_kv, H_q // H_kv)).transpose(0, 1), k_cache=k_cache, v_cache=v_cache,
+            self._paged(q=q.unflatten(1, groups).transpose(0, 1), k_cache=k_cache, v_cache=v_cache,
                         page_table=self.table, cache_seqlens=self.seqlens, softmax_scale=self.sm_scale, causal=True,
-                        out=out.unflatten(1, (H_kv, H_q // H_kv)).transpose(0, 1))
+                        out=out.unflatten(1, groups).transpose(0, 1))
             return out
         o = self._paged(q=rows_from_tokens(q, H_kv), k_cache=k_cache, v_cache=v_cache, page_table=self.table,
                         cache_seqlens=self.seqlens, cu_seqlens_q=self.cu_seqlens_q, max_seqlen_q=self.max_seqlen_q,
