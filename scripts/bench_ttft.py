@@ -25,7 +25,7 @@ host-bound model (Qwen2.5-0.5B at chunk 1024) one configuration's TTFT moves bet
 than the do-no-harm margin, so a ratio from one process per method ranks processes, not methods.
 `--warmup-rounds K` adds K untimed rounds before each (context, batch). With
 `--profile-steps` one more round runs under SGLang's profiler and `scripts/trace_summary.py` summarises
-the trace (kernel launches and host time per layer). A compact
+the trace (kernel launches and host time per layer; the traces are kept in <out-dir>/traces/). A compact
 server runs with `--enable-metrics`: the density of its round (mean over its sparse forward passes of
 the pages read over the context pages; 1.0 when nothing went sparse), the fraction of its q-blocks
 that went sparse and the fraction the gate turned dense from their observed density are read from
@@ -335,7 +335,8 @@ def main() -> int:
     ap.add_argument("--profile-steps", type=int, default=0,
                     help="after timing each (context, batch), one more round with SGLang's torch profiler on for "
                          "this many forward passes, started --profile-at of the way through (0: off); the trace "
-                         "summaries go to <out-dir>/profile_<name>.{md,json} (scripts/trace_summary.py)")
+                         "summaries go to <out-dir>/profile_<name>.{md,json} (scripts/trace_summary.py), the "
+                         "traces themselves to <out-dir>/traces/")
     ap.add_argument("--profile-at", type=float, default=0.6,
                     help="fraction of the timed TTFT after which profiling starts (default 0.6)")
     ap.add_argument("--next-turn", type=int, default=0, metavar="TOKENS",
@@ -525,7 +526,7 @@ def main() -> int:
     def profile(srv, method: str, chunk: int, ctx: int, bsz: int, ttft_s: float) -> None:
         """One more round, untimed, with SGLang's profiler on for a few forward passes part way through."""
         pid = f"{method}_c{chunk}_ctx{ctx}_b{bsz}"
-        trace_dir = Path("/tmp/ttft_traces")
+        trace_dir = (out / "traces").resolve()   # kept beside the summaries, which keep only the top ops
         trace_dir.mkdir(parents=True, exist_ok=True)
         with cf.ThreadPoolExecutor(1) as ex:
             fut = ex.submit(round_, srv, ctx, bsz)

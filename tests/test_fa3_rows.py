@@ -70,6 +70,8 @@ def test_fa3_rows_hand_fa3_each_rows_pages_and_queries(seed, selector, params):
                    qb.last_page_len() * shape.num_kv_heads, table, torch.zeros(R, dtype=torch.int32), "cpu",
                    paged=paged_twin)
     out = rows.run(b.q, b.k_pool, b.v_pool, sel.indices)
+    given = torch.full_like(out, float("nan"))   # SGLang's output buffer: the rows are written into it
+    assert rows.run(b.q, b.k_pool, b.v_pool, sel.indices, out=given) is given and torch.equal(given, out)
     want = reference_attention(b, sel.table)
     keep = torch.zeros(b.q.shape[0], dtype=torch.bool)
     for w, (st, n) in enumerate(zip(qb.w_start, qb.w_length)):
@@ -109,6 +111,10 @@ def test_a_pass_of_one_window_hands_fa3_the_tokens_own_layout(selector, params, 
     assert call["q"].shape == (2, chunk, 3, 16) and call["q"].data_ptr() == b.q.data_ptr()
     assert call["out"].data_ptr() == out.data_ptr() and "cu_seqlens_q" not in call
     torch.testing.assert_close(out, reference_attention(b, sel.table), atol=2e-5, rtol=2e-5)
+    # into SGLang's output buffer: FA3 writes there itself
+    given = torch.full_like(out, float("nan"))
+    assert rows.run(b.q, b.k_pool, b.v_pool, sel.indices, out=given) is given and torch.equal(given, out)
+    assert calls[-1]["out"].data_ptr() == given.data_ptr()
 
 
 def test_the_ab_script_switches_the_one_window_call_it_names():

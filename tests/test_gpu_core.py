@@ -612,6 +612,27 @@ def test_antidiagonal_kernel_equals_reference_on_gpu(seed, stride, row_stride):
 def test_row_reshapes_round_trip():
     x = torch.randn(37, 12, 8, device=DEV)
     assert torch.equal(tokens_from_rows(rows_from_tokens(x, 4), 4), x)
+    given = torch.empty_like(x)
+    assert tokens_from_rows(rows_from_tokens(x, 4), 4, out=given) is given and torch.equal(given, x)
+
+
+@pytest.mark.parametrize("kernel", ["fa2", "fa3-auto", "sgl-fa3"])
+@pytest.mark.parametrize("prefix,chunk", [([30000 + 7, 12345, 4100], [1024, 517, 64]), ([65536], [1024])])
+def test_sparse_layers_write_into_the_output_buffer_they_are_given(kernel, prefix, chunk):
+    """What the backend hands the executor in the server: SGLang's output buffer. A sparse layer written into it
+    (one window: FA3's own call writes there; several, and a dense window computed apart: the copy back from the
+    rows' layout does) is bit for bit the layer returned in a new tensor."""
+    ranges = [(0, 1 << 40)] * (len(prefix) - 1) + [(0, 0) if len(prefix) > 1 else (0, 1 << 40)]
+    b = gpu_batch(prefix, chunk, 32, 8, 128, seed=5, sparse_ranges=ranges)
+    cfg = CompactConfig(block_size=P, selector="quest_budget", selector_params={"density": 0.3})
+    ca = CompactAttention(cfg)
+    ex = executor(b, kernel)
+    ex.plan_forward(ForwardShape.of(b, ca.row_pages(b)), b.page_table)
+    sel = ca.select_pages(b, 3, batch_summaries(b), buffers=ex.index_buffers)
+    want = ex.run(b, sel.indices)
+    given = torch.full_like(want, float("nan"))
+    assert ex.run(b, sel.indices, out=given) is given and torch.equal(given, want)
+    assert rel_err(given, reference_attention(b, sel.table)) <= 1e-2
 
 
 def test_windows_of_a_pass_match_the_executors_plan():

@@ -101,6 +101,17 @@ def run(b, cfg):
     return ca, sel, ex.run(b, sel.indices)
 
 
+def test_the_executor_writes_a_sparse_layer_into_a_given_buffer():
+    # the backend hands SGLang's output buffer to the sparse path as to the dense one, so SGLang copies nothing
+    b = make_batch(3, chunk=(140, 230, 117, 64), sparse_ranges=[(0, 100), (3, 100), (3, 7), (0, 1)])
+    ca, sel, want = run(b, cfg("quest_budget", params={"density": 0.3}))
+    assert b.qblocks.any_sparse
+    ex = TorchExecutor()
+    ex.plan_forward(ForwardShape.of(b, ca.row_pages(b)), b.page_table)
+    given = torch.full_like(want, float("nan"))
+    assert ex.run(b, sel.indices, out=given) is given and torch.equal(given, want)
+
+
 def cfg(selector, **kw):
     params = kw.pop("params", {})
     return CompactConfig(block_size=P, selector=selector, selector_params=params, sink_blocks=1, recent_blocks=2, **kw)

@@ -97,8 +97,9 @@ class Executor(Protocol):
     def plan_forward(self, shape: ForwardShape, page_table: torch.Tensor) -> None:
         ...
 
-    def run(self, batch: ChunkBatch, indices: PagedIndices | None) -> torch.Tensor:
-        """o [T, H_q, D] in q's dtype; `indices` None for a dense pass."""
+    def run(self, batch: ChunkBatch, indices: PagedIndices | None, out: torch.Tensor | None = None) -> torch.Tensor:
+        """o [T, H_q, D] in q's dtype (into `out` when given: SGLang's output buffer, so it copies nothing);
+        `indices` None for a dense pass."""
         ...
 
     def run_dense(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
@@ -117,8 +118,12 @@ def rows_from_tokens(x: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
     return x.reshape(T, num_kv_heads, G, *x.shape[2:]).transpose(0, 1).reshape(num_kv_heads * T, G, *x.shape[2:])
 
 
-def tokens_from_rows(x: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
-    """Inverse of `rows_from_tokens`."""
+def tokens_from_rows(x: torch.Tensor, num_kv_heads: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Inverse of `rows_from_tokens` (written into `out`, [T, H_q, ...], when given: the same one copy)."""
     R_T, G = x.shape[:2]
     T = R_T // num_kv_heads
-    return x.reshape(num_kv_heads, T, G, *x.shape[2:]).transpose(0, 1).reshape(T, num_kv_heads * G, *x.shape[2:])
+    tokens = x.reshape(num_kv_heads, T, G, *x.shape[2:]).transpose(0, 1)
+    if out is None:
+        return tokens.reshape(T, num_kv_heads * G, *x.shape[2:])
+    out.view(T, num_kv_heads, G, *x.shape[2:]).copy_(tokens)
+    return out

@@ -189,15 +189,15 @@ class FlashInferExecutor:
         self.index_buffers = fi.index_buffers(w)
 
     # --- per layer ----------------------------------------------------------------------------------
-    def run(self, batch: ChunkBatch, indices: PagedIndices | None) -> torch.Tensor:
+    def run(self, batch: ChunkBatch, indices: PagedIndices | None, out: torch.Tensor | None = None) -> torch.Tensor:
         if self.shape is None:
             raise RuntimeError(f"{type(self).__name__}.run before plan_forward")
         if self.mode == "dense":
             chunk_kv = (batch.k_chunk, batch.v_chunk) if batch.k_chunk is not None else None
-            return self.run_dense(batch.q, batch.k_pool, batch.v_pool, chunk_kv=chunk_kv)
+            return self.run_dense(batch.q, batch.k_pool, batch.v_pool, out=out, chunk_kv=chunk_kv)
         if indices is None:
             raise ValueError("a sparse forward pass needs the layer's paged indices")
-        return self._run_rows(batch, indices)
+        return self._run_rows(batch, indices, out)
 
     def run_dense(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                   out: torch.Tensor | None = None, chunk_kv: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -217,15 +217,16 @@ class FlashInferExecutor:
             self._dense_ragged = None
         return self._dense.run(q, (k_pool, v_pool), out=out)
 
-    def _run_rows(self, batch: ChunkBatch, indices: PagedIndices) -> torch.Tensor:
-        o = self._rows(batch, indices)
+    def _run_rows(self, batch: ChunkBatch, indices: PagedIndices, out: torch.Tensor | None) -> torch.Tensor:
+        o = self._rows(batch, indices, out)
         if self._apart is not None:
             apart, tokens = self._apart
             o.index_copy_(0, tokens, apart.run(batch.q.index_select(0, tokens), (batch.k_pool, batch.v_pool)))
         return o
 
-    def _rows(self, batch: ChunkBatch, indices: PagedIndices) -> torch.Tensor:
-        """The rows' attention, o [T, H_q, D] (a window computed apart: garbage, overwritten by `_run_rows`)."""
+    def _rows(self, batch: ChunkBatch, indices: PagedIndices, out: torch.Tensor | None) -> torch.Tensor:
+        """The rows' attention, o [T, H_q, D] (`out` when given; a window computed apart: garbage, overwritten by
+        `_run_rows`)."""
         s = self.shape
         H_kv, P, D = s.num_kv_heads, s.page_size, s.head_dim
         w = self._paged_wrapper(self._rows_kernel, "rows")
@@ -236,7 +237,7 @@ class FlashInferExecutor:
         else:
             self._load(indices)
         kv = (batch.k_pool.view(-1, 1, P, D), batch.v_pool.view(-1, 1, P, D))
-        return tokens_from_rows(w.run(rows_from_tokens(batch.q, H_kv), kv), H_kv)
+        return tokens_from_rows(w.run(rows_from_tokens(batch.q, H_kv), kv), H_kv, out)
 
     def _load(self, indices: PagedIndices) -> None:
         """Make the wrapper read `indices` (a no-op when the index kernel wrote into its buffers)."""
@@ -303,8 +304,8 @@ class SglFA3RowsExecutor(FlashInferFA3Executor):
         self.mode = "rows"
         self.index_buffers = buffers
 
-    def _rows(self, batch: ChunkBatch, indices: PagedIndices) -> torch.Tensor:
-        return self._fa3_rows.run(batch.q, batch.k_pool, batch.v_pool, indices)
+    def _rows(self, batch: ChunkBatch, indices: PagedIndices, out: torch.Tensor | None) -> torch.Tensor:
+        return self._fa3_rows.run(batch.q, batch.k_pool, batch.v_pool, indices, out)
 
 
 def make_flashinfer_executor(kernel: str, device, max_rows: int, max_indices: int,

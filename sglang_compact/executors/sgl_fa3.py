@@ -120,8 +120,10 @@ class FA3Rows:
         self.num_kv_heads, self.page_size, self.sm_scale = shape.num_kv_heads, shape.page_size, shape.sm_scale
         self.one_window = R == shape.num_kv_heads
 
-    def run(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, indices) -> torch.Tensor:
-        """q [T, H_q, D] against the pages of `indices` (a `PagedIndices` of this pass's rows) -> o [T, H_q, D]."""
+    def run(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, indices,
+            out: torch.Tensor | None = None) -> torch.Tensor:
+        """q [T, H_q, D] against the pages of `indices` (a `PagedIndices` of this pass's rows) -> o [T, H_q, D]
+        (`out` when given, contiguous)."""
         impl = row_page_table if use_triton(indices.kv_indices) else row_page_table_naive
         impl.row_page_table(indices.kv_indptr, indices.kv_indices, self.last_page_len, self.page_size, self.table,
                             self.seqlens)
@@ -129,7 +131,7 @@ class FA3Rows:
         k_cache, v_cache = k_pool.view(-1, 1, P, D).transpose(1, 2), v_pool.view(-1, 1, P, D).transpose(1, 2)
         if self.one_window:
             groups = (H_kv, q.shape[1] // H_kv)
-            out = torch.empty_like(q)
+            out = torch.empty_like(q) if out is None else out
             self._paged(q=q.unflatten(1, groups).transpose(0, 1), k_cache=k_cache, v_cache=v_cache,
                         page_table=self.table, cache_seqlens=self.seqlens, softmax_scale=self.sm_scale, causal=True,
                         out=out.unflatten(1, groups).transpose(0, 1))
@@ -137,4 +139,4 @@ class FA3Rows:
         o = self._paged(q=rows_from_tokens(q, H_kv), k_cache=k_cache, v_cache=v_cache, page_table=self.table,
                         cache_seqlens=self.seqlens, cu_seqlens_q=self.cu_seqlens_q, max_seqlen_q=self.max_seqlen_q,
                         softmax_scale=self.sm_scale, causal=True)
-        return tokens_from_rows(o, H_kv)
+        return tokens_from_rows(o, H_kv, out)

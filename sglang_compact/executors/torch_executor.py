@@ -115,19 +115,20 @@ class TorchExecutor:
         self.shape = shape
         self._page_table = page_table
 
-    def run(self, batch: ChunkBatch, indices: PagedIndices | None) -> torch.Tensor:
+    def run(self, batch: ChunkBatch, indices: PagedIndices | None, out: torch.Tensor | None = None) -> torch.Tensor:
         if self.shape is None:
             raise RuntimeError("TorchExecutor.run before plan_forward")
         if indices is None:
             if self.shape.sparse:
                 raise ValueError("a sparse forward pass needs the layer's paged indices")
-            return self.run_dense(batch.q, batch.k_pool, batch.v_pool)
+            return self.run_dense(batch.q, batch.k_pool, batch.v_pool, out=out)
         table = self.table_from_indices(batch, indices)
         apart = batch.qblocks.dense_apart
         if any(apart):   # their rows name their own pages; they read every page (computed apart on the GPU)
             mask = torch.tensor(apart, dtype=torch.bool, device=table.device)[None, :, None]
             table = table | (batch.full_table() & mask)
-        return table_attention(batch, table).to(batch.q.dtype)
+        o = table_attention(batch, table).to(batch.q.dtype)
+        return o if out is None else out.copy_(o)
 
     def run_dense(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                   out: torch.Tensor | None = None, chunk_kv=None) -> torch.Tensor:

@@ -202,8 +202,9 @@ class ExtendPlanner:
             sel = self._select(md, q3, k_buf, v_buf, layer, lid, summaries)
             if md.observe and self._observe(md, sel[1], md.executor_dense):
                 sel = self._select(md, q3, k_buf, v_buf, layer, lid, summaries) if md.sparse else None
+        # both paths write into SGLang's output buffer where it fits, so SGLang copies nothing after the call
+        out = compat.take_attention_output(fb, q3) if q3.dtype == q.dtype else None
         if sel is None:
-            out = compat.take_attention_output(fb, q3) if q3.dtype == q.dtype else None
             chunk_kv = (k.view(-1, H_kv, D), v.view(-1, H_kv, D)) if k is not None and v is not None else None
             o = rt.executor.run_dense(q3, k_buf, v_buf, out=out, chunk_kv=chunk_kv)
         else:
@@ -211,7 +212,7 @@ class ExtendPlanner:
             rt.telemetry.record(li, sel.density, sel.coverage)
             if md.recall is not None and md.recall[0] == li:
                 rt.telemetry.record_recall(mass_recall(batch, sel.table, md.recall[1]))
-            o = rt.executor.run(batch, sel.indices)
+            o = rt.executor.run(batch, sel.indices, out=out)
         if o.dtype != q.dtype:
             o = o.to(q.dtype)
         return o.view(-1, H_q * D)
