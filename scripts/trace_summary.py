@@ -11,6 +11,11 @@ the calls of the once-per-layer paged attention kernel over --layers):
   kernels    kernel launches, and the top kernels by total time
   runtime    CUDA runtime calls by total time (cudaStreamSynchronize / cudaMemcpy* D2H are host syncs)
   cpu_ops    top-level CPU ops (not nested in another op of the same thread) by total time
+
+With --place NAME it tells instead where the host events called NAME (a CPU op or a runtime call, e.g.
+`aten::to`, `cudaMemcpyAsync`) come from, in a trace taken without Python stacks: each distinct placement (the
+ops it is nested in, outer first, and the top-level ops just before and after the one that holds it) with how
+many times it occurs per step.
 """
 
 from __future__ import annotations
@@ -115,6 +120,43 @@ def summarize(events: list[dict], steps: float = 1, k: int = 12) -> dict:
     }
 
 
+HOST_CATS = ("cpu_op", "user_annotation", "python_function") + RUNTIME_CATS
+
+
+def place(events: list[dict], name: str, steps: float = 1, k: int = 12) -> list[dict]:
+    """Where the host events called `name` occur: one row per distinct (enclosing ops, outer first; the top-level
+    op before the one that holds it; the one after), most frequent first."""
+    by_thread = collections.defaultdict(list)
+    for e in events:
+        if e.get("cat") in HOST_CATS:
+            by_thread[(e.get("pid"), e.get("tid"))].append(e)
+    seen = collections.Counter()
+    for evs in by_thread.values():
+        evs.sort(key=lambda e: (e["ts"], -e["dur"]))
+        tops = top_level(evs)
+        where = {id(t): i for i, t in enumerate(tops)}
+        stack: list[dict] = []
+        for e in evs:
+            while stack and stack[-1]["ts"] + stack[-1]["dur"] <= e["ts"]:
+                stack.pop()
+            if e["name"] == name:
+                outer = stack[0] if stack else e
+                i = where.get(id(outer))
+                before = tops[i - 1]["name"] if i else ""
+                after = tops[i + 1]["name"] if i is not None and i + 1 < len(tops) else ""
+                seen[(tuple(o["name"] for o in stack), before, after)] += 1
+            stack.append(e)
+    return [{"inside": " > ".join(chain) or "(top level)", "after_op": before[:80], "before_op": after[:80],
+             "calls_per_step": n / steps} for (chain, before, after), n in seen.most_common(k)]
+
+
+def render_place(rows: list[dict], name: str) -> str:
+    lines = [f"## where `{name}` is called", "", "| inside | top-level op before | top-level op after | calls/step |",
+             "|---|---|---|---|"]
+    lines += [f"| `{r['inside']}` | `{r['after_op']}` | `{r['before_op']}` | {r['calls_per_step']:.1f} |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
 def render(summary: dict, title: str = "") -> str:
     s = summary
     idle = "n/a (no GPU events)" if s["gpu_idle_frac"] is None else f"{100 * s['gpu_idle_frac']:.1f}%"
@@ -137,10 +179,15 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=None,
                     help="count the forward passes instead: paged attention kernel calls / this many layers")
     ap.add_argument("--json", default=None, help="also write the summary here")
+    ap.add_argument("--place", default=None, metavar="NAME",
+                    help="instead: where the host events called NAME come from (enclosing and neighbouring ops)")
     a = ap.parse_args(argv)
     try:
         events = load_trace(a.trace)
         steps = a.steps if a.steps else (count_forward_passes(events, a.layers) if a.layers else 1)
+        if a.place:
+            print(render_place(place(events, a.place, steps), a.place))
+            return 0
         s = summarize(events, steps)
     except (OSError, ValueError, KeyError) as e:
         print(f"error: {a.trace}: {e}", file=sys.stderr)

@@ -72,3 +72,24 @@ def test_errors(tmp_path):
     assert ts.main([str(tmp_path / "empty.json")]) == 2
     with pytest.raises(ValueError, match="steps"):
         ts.summarize([ev("k", "kernel", 0, 1)], steps=0)
+
+
+def test_place_names_the_ops_around_a_call(tmp_path, capsys):
+    """A real CPU trace: the one `aten::to` that converts inside the loop's body is placed between the ops that
+    surround it, with its enclosing ops, and counted per step; a name the trace lacks gives no rows."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        a = torch.randn(32, 32)
+        for _ in range(4):
+            b = torch.relu(a @ a)
+            c = b.to(torch.float64)
+            a = torch.sigmoid(c).to(torch.float32)
+    path = tmp_path / "cpu.json"
+    prof.export_chrome_trace(str(path))
+    rows = ts.place(ts.load_trace(path), "aten::_to_copy", steps=4)
+    by = {(r["after_op"], r["before_op"]): r for r in rows}
+    first = by[("aten::relu", "aten::sigmoid")]
+    assert first["inside"] == "aten::to" and first["calls_per_step"] == pytest.approx(1)
+    assert sum(r["calls_per_step"] for r in rows) == pytest.approx(2)
+    assert ts.place(ts.load_trace(path), "no_such_op") == []
+    assert ts.main([str(path), "--steps", "4", "--place", "aten::_to_copy"]) == 0
+    assert "| `aten::to` | `aten::relu` | `aten::sigmoid` | 1.0 |" in capsys.readouterr().out

@@ -1,6 +1,6 @@
 """Launch-parameter sweep of the FlashPrefill search kernel (kernels/flashprefill.py) on the GPU.
 
-    source scripts/gpu/setup.sh; python3 scripts/gpu/tune_flashprefill.py [--split-check]
+    source scripts/gpu/setup.sh; python3 scripts/gpu/tune_flashprefill.py [--split-check | --quest-sweep]
 
 For a few serving shapes (chunks of C tokens after long prefixes; the kernel reads the page summaries
 of each q-block's candidate pages) it times every (BN, num_warps, num_stages) that compiles for the
@@ -9,6 +9,10 @@ path) and the group max of Quest's bound (quest_budget: two dot products per til
 output against the default configuration's, and prints the table;
 `launch_config` in the kernel module holds the choice made from it (results kept in
 docs/results/tune_flashprefill.md).
+
+`--quest-sweep` times instead the search the server runs by default at 128K (`quest_budget`: Quest's bound,
+group max, Llama-3.1-8B heads 32/8 x 128, page 64, query_stride 4, batch 1, chunk 1024) over BN, num_warps,
+num_stages and SPLIT, each checked against the default configuration's output.
 """
 
 from __future__ import annotations
@@ -72,9 +76,49 @@ def split_check() -> int:
     return 0
 
 
+def quest_sweep() -> int:
+    """The default launch of the server's 128K search against every (BN, warps, stages, SPLIT) that compiles."""
+    timer = Timer(torch.device("cuda"), reps=20, min_reps=20, warmup=3, budget_ms=1e9)
+    print(f"{torch.cuda.get_device_name()}\n\n| prefix | BN | warps | stages | SPLIT | ms | of default | max rel diff |\n"
+          "|---|---|---|---|---|---|---|---|")
+    for prefix in (32768, 130048):
+        b = random_batch([prefix], [1024], num_q_heads=32, num_kv_heads=8, head_dim=128, page_size=64,
+                         dtype=torch.bfloat16, device="cuda", seed=0, structured=True)
+        s = batch_summaries(b)
+        args = (b.q, b.device_qblocks(), b.page_table, s.key_sum, s.count, b.sm_scale, 8, b.qblocks.max_pages)
+
+        def search(cfg):
+            return k.block_scores(*args, group_max=True, query_stride=4, config=cfg, page_size=64,
+                                  key_bounds=(s.key_max, s.key_min))
+        ref = search(None)
+        base = timer.device_ms(lambda: search(None))
+        default = k.launch_config(4 * 16, b.qblocks.max_pages, True, 8 * b.qblocks.count, k._sm_count(b.q.device))
+        print(f"| {prefix} | {default['BN']} | {default['num_warps']} | {default['num_stages']} | {default['SPLIT']} | "
+              f"{base:.4f} | 1.00 (default) | 0 |", flush=True)
+        rows = []
+        for bn, warps, stages, split in itertools.product((64, 128), (4, 8), (2, 3), (1, 5, 8, 16)):
+            cfg = dict(BN=bn, num_warps=warps, num_stages=stages, SPLIT=split)
+            try:
+                out = search(cfg)
+                err = ((out - ref).abs().max() / ref.abs().max()).item()
+                ms = timer.device_ms(lambda: search(cfg))
+            except Exception as e:  # noqa: BLE001 - a config that does not compile or fit
+                print(f"| {prefix} | {bn} | {warps} | {stages} | {split} | - | {type(e).__name__} | - |")
+                continue
+            rows.append((ms, cfg, err))
+        for ms, cfg, err in sorted(rows, key=lambda r: r[0])[:12]:
+            print(f"| {prefix} | {cfg['BN']} | {cfg['num_warps']} | {cfg['num_stages']} | {cfg['SPLIT']} | {ms:.4f} | "
+                  f"{ms / base:.2f} | {err:.1e}{' DIFFERS' if err > 1e-3 else ''} |", flush=True)
+        del b, s
+        torch.cuda.empty_cache()
+    return 0
+
+
 def main() -> int:
     if "--split-check" in sys.argv:
         return split_check()
+    if "--quest-sweep" in sys.argv:
+        return quest_sweep()
     print(f"{torch.cuda.get_device_name()}")
     timer = Timer(torch.device("cuda"), reps=20, min_reps=20, warmup=3, budget_ms=1e9)
     for name, prefix, chunk, hq, hkv, d, P in SHAPES:

@@ -142,10 +142,7 @@ class TorchExecutor:
                            prefix_lens_cpu=s.prefix_lens, chunk_lens_cpu=s.chunk_lens, qblocks=s.qblocks,
                            sm_scale=s.sm_scale)
         o = causal_context_attention(batch).to(q.dtype)
-        if out is None:
-            return o
-        out.copy_(o)
-        return out
+        return o if out is None else out.copy_(o)
 
     def table_from_indices(self, batch: ChunkBatch, indices: PagedIndices) -> torch.Tensor:
         """bool [H_kv, NW, NKV]: the pages the rows' paged indices name (read back, the way a paged kernel
