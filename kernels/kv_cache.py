@@ -3,11 +3,13 @@
 One launch per layer writes the new keys and values into the head-major pool
 and refreshes the summaries of the pages the write ends in: the key sum and
 count (mean keys) and, when asked (BOUNDS), the channel-wise key max and min
-(Quest's page bounds). Program (n, h) stores token n's head h; if token n is
-the last one of its page in this write, it also reads that page's keys at
-offsets 0..off in offset order, taking the offsets written by this same launch
-from its inputs (other programs may not have stored them yet) and the earlier
-ones from the pool, and reduces them. A fixed order makes a page's summary
+(Quest's page bounds). Program (b, h) stores head h of a block of BN
+consecutive tokens (`block_tokens`: 16 in a long write, so a 1024-token chunk
+is one wave of programs, not one program per token); for each token of its
+block that is the last one of its page in this write, it also reads that
+page's keys at offsets 0..off in offset order, taking the offsets written by
+this same launch from its inputs (other programs may not have stored them yet)
+and the earlier ones from the pool, and reduces them. A fixed order makes a page's summary
 independent of how its tokens were split across writes (chunks, decode steps),
 which the selection's reproducibility relies on. The bounds are taken over the
 keys as the pool holds them (cast to its dtype), so they are exact in it.
@@ -26,21 +28,33 @@ from sglang_compact.kernels.launch import Launcher
 @triton.jit
 def _store_kv_kernel(k_pool, v_pool, loc, k, v, key_sum, count, key_max, key_min, N, H,
                      stride_kt, stride_kh, stride_vt, stride_vh,
-                     P: tl.constexpr, D: tl.constexpr, SUMMARIZE: tl.constexpr, BOUNDS: tl.constexpr):
-    n = tl.program_id(0)
+                     P: tl.constexpr, D: tl.constexpr, BN: tl.constexpr, SUMMARIZE: tl.constexpr,
+                     BOUNDS: tl.constexpr):
+    n0 = tl.program_id(0) * BN
     h = tl.program_id(1)
-    slot = tl.load(loc + n).to(tl.int64)
-    page = slot // P
-    off = slot % P
+    i = tl.arange(0, BN)
+    offs_n = n0 + i
+    ok = offs_n < N
+    slot = tl.load(loc + offs_n, mask=ok, other=0).to(tl.int64)
     offs_d = tl.arange(0, D)
-    kn = tl.load(k + n.to(tl.int64) * stride_kt + h * stride_kh + offs_d)
-    vn = tl.load(v + n.to(tl.int64) * stride_vt + h * stride_vh + offs_d)
-    dst = ((page * H + h) * P + off) * D + offs_d
-    tl.store(k_pool + dst, kn.to(k_pool.dtype.element_ty))
-    tl.store(v_pool + dst, vn.to(v_pool.dtype.element_ty))
+    rows = offs_n.to(tl.int64)[:, None]
+    kn = tl.load(k + rows * stride_kt + h * stride_kh + offs_d[None, :], mask=ok[:, None], other=0.0)
+    vn = tl.load(v + rows * stride_vt + h * stride_vh + offs_d[None, :], mask=ok[:, None], other=0.0)
+    dst = (((slot // P) * H + h) * P + slot % P)[:, None] * D + offs_d[None, :]
+    tl.store(k_pool + dst, kn.to(k_pool.dtype.element_ty), mask=ok[:, None])
+    tl.store(v_pool + dst, vn.to(v_pool.dtype.element_ty), mask=ok[:, None])
     if SUMMARIZE:
-        nxt = tl.load(loc + tl.minimum(n + 1, N - 1)).to(tl.int64)
-        if (n == N - 1) | (nxt // P != page):
+        nxt = tl.load(loc + tl.minimum(offs_n + 1, N - 1), mask=ok, other=0).to(tl.int64)
+        ends = ok & ((offs_n == N - 1) | (nxt // P != slot // P))
+        # the block's page ends in token order, one page reduced at a time (a block of a long chunk holds one or
+        # two; a decode step's writes are launched one token per block)
+        e = n0 * 0 - 1
+        for _ in range(0, tl.sum(ends.to(tl.int32), axis=0)):
+            e = tl.min(tl.where(ends & (i > e), i, BN), axis=0)
+            n = n0 + e
+            s_n = tl.sum(tl.where(i == e, slot, 0), axis=0)
+            page = s_n // P
+            off = s_n % P
             offs_p = tl.arange(0, P)
             upto = offs_p <= off
             m = n - (off - offs_p)                          # input index holding offset p, if this write has it
@@ -88,5 +102,12 @@ def store_kv(k_pool: torch.Tensor, v_pool: torch.Tensor, loc: torch.Tensor, k: t
     sums = (key_sum if summarize else k_pool, count if summarize else loc, key_max if bounds else k_pool,
             key_min if bounds else k_pool)
     strides = (N, H, k.stride(0), k.stride(1), v.stride(0), v.stride(1))
-    flags = dict(P=P, D=D, SUMMARIZE=summarize, BOUNDS=bounds)
-    _store_kv_launch((N, H), k_pool, v_pool, loc, k, v, *sums, *strides, **flags)
+    bn = block_tokens(N, P)
+    flags = dict(P=P, D=D, BN=bn, SUMMARIZE=summarize, BOUNDS=bounds)
+    _store_kv_launch((triton.cdiv(N, bn), H), k_pool, v_pool, loc, k, v, *sums, *strides, **flags)
+
+
+def block_tokens(n: int, page_size: int) -> int:
+    """Tokens per program: 16 (at most a page) for a write of several pages, where a block holds one or two page
+    ends; 1 for a short write (a decode step's tokens each end a page: one program each reduces it)."""
+    return min(16, page_size) if n >= 4 * page_size else 1

@@ -314,6 +314,38 @@ def test_store_kv_kernel_equals_reference(seed):
         torch.testing.assert_close(x, y, rtol=1e-6, atol=1e-5)
 
 
+@pytest.mark.parametrize("seed", SEEDS)
+def test_store_kv_of_a_batch_whose_blocks_end_several_pages_equals_reference(seed):
+    """One write of a batch as SGLang lays it out (each request's new tokens after its cached ones, requests one
+    after another): long enough for blocks of tokens (`kv_cache.block_tokens`), short requests so that one block
+    ends several pages, and requests whose first new token continues a page they filled before."""
+    P, H, D, pages = 16, 2, 32, 40
+    g = torch.Generator().manual_seed(500 + seed)
+    page_ids = torch.randperm(pages, generator=g).tolist()
+    loc, cached = [], []
+    for r in range(8):
+        own = page_ids[5 * r:5 * r + 5]
+        start = int(torch.randint(0, 2 * P, (1,), generator=g))
+        n = int(torch.randint(1, 2 * P, (1,), generator=g))
+        cached.append([own[t // P] * P + t % P for t in range(start)])
+        loc += [own[t // P] * P + t % P for t in range(start, start + n)]
+    loc = torch.tensor(loc)
+    assert kv_cache.block_tokens(len(loc), P) > 1
+    k, v = torch.randn(len(loc), H, D, generator=g), torch.randn(len(loc), H, D, generator=g)
+    before = torch.tensor([t for c in cached for t in c], dtype=torch.long)
+    k0 = torch.randn(len(before), H, D, generator=g)
+    state = []
+    for impl in (kv_cache, kv_cache_naive):
+        kp, vp = torch.zeros(pages, H, P, D), torch.zeros(pages, H, P, D)
+        ks, cnt = torch.zeros(pages, H, D), torch.zeros(pages, dtype=torch.int32)
+        kmax, kmin = torch.zeros(pages, H, D), torch.zeros(pages, H, D)
+        kv_cache_naive.store_kv(kp, vp, before, k0, k0, ks, cnt, kmax, kmin)   # the requests' cached tokens
+        impl.store_kv(kp, vp, loc, k, v, ks, cnt, kmax, kmin)
+        state.append((kp, vp, ks, cnt, kmax, kmin))
+    for x, y in zip(*state):
+        torch.testing.assert_close(x, y, rtol=1e-6, atol=1e-5)
+
+
 def store_with_bounds(impl, loc, k, v, split, shape, dtype, seed):
     """A stream written with `impl` in the given split into a pool of `dtype` that starts full of stale
     keys (large, either sign: a bound that reads an offset past a page's last token shows them)."""
@@ -544,7 +576,7 @@ def test_launcher_keys_a_call_by_every_parameter_and_option():
     pool = torch.zeros(4, 2, 8, 16)
     loc, k = torch.arange(8), torch.zeros(8, 2, 16)
     args = (pool, pool, loc, k, k, pool, loc, pool, pool, 8, 2, 32, 16, 32, 16)
-    kw = dict(P=8, D=16, SUMMARIZE=False, BOUNDS=False)
+    kw = dict(P=8, D=16, BN=1, SUMMARIZE=False, BOUNDS=False)
     key = launch.key(args, kw)
     assert key == launch.key(args, dict(kw)) and hash(key) is not None
     assert launch.key(args, dict(kw, BOUNDS=True)) != key                       # a constexpr
