@@ -18,7 +18,7 @@ from sglang_compact.indices import IndexBuffers, PagedIndices, build_indices, to
 from sglang_compact.selectors import make_selector
 from sglang_compact.selectors.base import Selection, forced_count, row_budget, row_scores, top_pages_per_row
 from sglang_compact.summaries import LayerSummaries
-from sglang_compact.union import row_density, union_table
+from sglang_compact.union import pass_density, union_table
 
 
 @dataclass
@@ -94,7 +94,8 @@ class CompactAttention:
         if sel.ranked is not None and (fill is not None or cfg.density_cap is None):
             table, indices = top_pages_indices(sel.ranked, sel.counts, batch, cfg.sink_blocks, cfg.recent_blocks,
                                                sel.per_qblock, buffers)
-            return PageSelection(table, sel.counts, indices, row_density(sel.counts, batch) if with_stats else None)
+            return PageSelection(table, sel.counts, indices,
+                                 pass_density(sel.counts, batch, sel.counts_per_pass) if with_stats else None)
         if sel.ranked is not None:
             table, counts = top_pages_indices(sel.ranked, sel.counts, batch, cfg.sink_blocks, cfg.recent_blocks,
                                               sel.per_qblock)[0], sel.counts
@@ -109,7 +110,7 @@ class CompactAttention:
                 coverage = (capped & table).sum(dtype=torch.float64) / table.sum(dtype=torch.float64).clamp(min=1)
             table = capped
         indices = build_indices(table, counts, batch, buffers)
-        density = row_density(counts, batch) if with_stats else None
+        density = pass_density(counts, batch, sel.counts_per_pass and counts is sel.counts) if with_stats else None
         return PageSelection(table, counts, indices, density, coverage)
 
     def read_all(self, batch: ChunkBatch, buffers: IndexBuffers | None = None,
@@ -119,7 +120,7 @@ class CompactAttention:
         table, counts = batch.memo(("read_all",), lambda: (batch.full_table().contiguous(), torch.tensor(
             batch.qblocks.full_counts() * batch.num_kv_heads, dtype=torch.int32).to(batch.q.device, non_blocking=True)))
         indices = build_indices(table, counts, batch, buffers)
-        return PageSelection(table, counts, indices, row_density(counts, batch) if with_stats else None)
+        return PageSelection(table, counts, indices, pass_density(counts, batch, True) if with_stats else None)
 
     def _cap(self, sel: Selection, table: torch.Tensor, batch: ChunkBatch):
         """At most `row_budget(last + 1, density_cap)` pages per sparse row, best scores first (group max over

@@ -35,3 +35,12 @@ def row_density(counts: torch.Tensor, batch: ChunkBatch) -> torch.Tensor:
     if total == 0:
         return torch.ones((), dtype=torch.float64, device=counts.device)
     return (counts.to(torch.float64) * w).sum() / total
+
+
+def pass_density(counts: torch.Tensor, batch: ChunkBatch, counts_per_pass: bool) -> torch.Tensor:
+    """`row_density`; once per forward pass for counts made once per pass (`Selection.counts_per_pass`), which
+    every layer of a fixed-length selector shares: four kernels a layer fewer. The memo's entry keeps the counts
+    alive, so their id names them for as long as it does."""
+    if not counts_per_pass:
+        return row_density(counts, batch)
+    return batch.memo(("row_density", id(counts)), lambda: (counts, row_density(counts, batch)))[1]

@@ -276,6 +276,42 @@ def test_flashprefill_fill_keeps_the_counts_and_at_the_thresholds_counts_is_the_
         CompactAttention(cfg("oracle")).select_pages(b0, fill=counts)
 
 
+@pytest.mark.parametrize("selector,params", [("quest_budget", {"density": 0.3}), ("budget", {"density": 0.3}),
+                                             ("dense", {}), ("flashprefill", {"alpha": 0.3})])
+def test_the_density_of_counts_made_once_per_pass_is_computed_once(selector, params):
+    """A fixed-length selector's counts are the same tensor in every layer of a pass: its density is derived once
+    (the layers share it); counts a layer makes itself (flashprefill's threshold) get their own, each the density
+    of its own counts. A fill with the pass's rows is derived once too."""
+    from sglang_compact.union import row_density
+
+    ca = CompactAttention(cfg(selector, params=params))
+    b0 = make_batch(5, sparse_ranges=[(0, 100), (2, 100), (3, 7), (0, 1)])
+    b1 = dataclasses.replace(b0, q=torch.randn_like(b0.q), k_pool=torch.randn_like(b0.k_pool))   # the next layer
+    one, two = ca.select_pages(b0, with_stats=True), ca.select_pages(b1, with_stats=True)
+    for sel, b in ((one, b0), (two, b1)):
+        assert torch.equal(sel.density, row_density(sel.counts, b))
+    assert (one.density is two.density) == (selector != "flashprefill")
+    if selector == "flashprefill":
+        assert not torch.equal(one.counts, two.counts)   # the layers' thresholds differ: a shared density would lie
+        fill = one.counts.clone()
+        got = [ca.select_pages(x, fill=fill, with_stats=True).density for x in (b0, b1)]
+        assert got[0] is got[1] and torch.equal(got[0], row_density(fill, b0))
+
+
+def test_pass_density_follows_counts_written_in_place_unless_they_are_the_pass_s():
+    from sglang_compact.union import pass_density, row_density
+
+    b = make_batch(5, sparse_ranges=[(0, 100), (2, 100), (3, 7), (0, 1)])
+    counts = torch.tensor(b.qblocks.full_counts() * b.num_kv_heads, dtype=torch.int32)
+    first = pass_density(counts, b, counts_per_pass=False)
+    counts -= 1                                      # a buffer a layer reuses
+    assert torch.equal(pass_density(counts, b, counts_per_pass=False), row_density(counts, b))
+    assert not torch.equal(row_density(counts, b), first)
+    once = pass_density(counts, b, counts_per_pass=True)
+    assert pass_density(counts.clone(), b, counts_per_pass=True) is not once   # another tensor: its own
+    assert pass_density(counts, b, counts_per_pass=True) is once
+
+
 def test_flashprefill_keeps_the_pages_a_head_scores_above_alpha_of_its_best():
     """Against a direct loop: per q-block and head, softmax over mean keys of the pages before its window,
     max over the q-block's queries, threshold; OR over the window's q-blocks and the group's heads."""

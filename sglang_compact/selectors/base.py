@@ -44,7 +44,9 @@ NEG_INF = float("-inf")
 @dataclass
 class Selection:
     """A selector's output: exactly one of `table` (with `counts`), `ranked` (with `counts`; `per_qblock`: its
-    second dim is the q-blocks, else the windows) and `mask`; `scores` optional."""
+    second dim is the q-blocks, else the windows) and `mask`; `scores` optional. `counts_per_pass`: `counts` is
+    made once per forward pass (`ChunkBatch.memo`, or the rows fixed at the observing layer) and never written
+    after, so the same tensor in every layer that gets it: what is derived from it (the density) is derived once."""
 
     table: torch.Tensor | None = None
     counts: torch.Tensor | None = None
@@ -52,6 +54,7 @@ class Selection:
     scores: torch.Tensor | None = None
     ranked: torch.Tensor | None = None
     per_qblock: bool = True
+    counts_per_pass: bool = False
 
     def __post_init__(self):
         if sum(x is not None for x in (self.table, self.mask, self.ranked)) != 1:

@@ -159,4 +159,4 @@ class BudgetSelector(Selector):
     def select(self, batch, layer, summaries):
         scores = page_scores(batch, summaries, group_max=True,
                              query_stride=self.params.query_stride_at(batch.page_size))   # [H_kv, NQB, NKV]
-        return Selection(ranked=scores, counts=self.counts(batch, layer), scores=scores)
+        return Selection(ranked=scores, counts=self.counts(batch, layer), scores=scores, counts_per_pass=True)

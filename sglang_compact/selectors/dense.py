@@ -17,7 +17,7 @@ class DenseSelector(Selector):
 
     def select(self, batch, layer, summaries):
         counts = batch.memo(("full_counts",), lambda: batch.full_table().sum(-1, dtype=torch.int32).reshape(-1))
-        return Selection(table=batch.full_table(), counts=counts)
+        return Selection(table=batch.full_table(), counts=counts, counts_per_pass=True)
 
 
 

@@ -66,4 +66,4 @@ class FlashPrefillSelector(Selector):
             ratio = flashprefill_kernel.ratio_scores(*args, query_stride=p.query_stride, page_size=batch.page_size)
         else:
             ratio = flashprefill_naive.ratio_scores(*args, query_stride=p.query_stride)
-        return Selection(ranked=ratio, counts=counts.to(torch.int32))
+        return Selection(ranked=ratio, counts=counts.to(torch.int32), counts_per_pass=counts.dtype == torch.int32)

@@ -47,4 +47,4 @@ class MassBudgetSelector(BudgetSelector):
 
     def select(self, batch, layer, summaries):
         mass = antidiagonal_page_mass(batch, self.params.stride, self.params.row_stride)    # [H_q, NQB, NKV]
-        return Selection(ranked=mass, counts=self.counts(batch, layer), scores=mass)
+        return Selection(ranked=mass, counts=self.counts(batch, layer), scores=mass, counts_per_pass=True)

@@ -69,4 +69,4 @@ class QuestBudgetSelector(BudgetSelector):
     def select(self, batch, layer, summaries):
         scores = page_scores(batch, summaries, group_max=True, key_bounds=True,
                              query_stride=self.params.query_stride_at(batch.page_size))  # [H_kv, NQB, NKV]
-        return Selection(ranked=scores, counts=self.counts(batch, layer), scores=scores)
+        return Selection(ranked=scores, counts=self.counts(batch, layer), scores=scores, counts_per_pass=True)
