@@ -71,10 +71,16 @@ def top_level(ops: list[dict]) -> list[dict]:
     return out
 
 
+ATTENTION_OP = "sglang::unified_attention_with_output"
+
+
 def count_forward_passes(events: list[dict], layers: int, kernel_substring: str = "Paged") -> float:
     """Forward passes in a trace: calls of the kernel that runs once per attention layer (FlashInfer's paged
-    prefill, fa2 or fa3: its name contains "Paged") divided by the model's layers."""
+    prefill, fa2 or fa3: its name contains "Paged") divided by the model's layers; where no such kernel ran (stock
+    `fa3`, `compact`'s FA3 rows), calls of SGLang's attention op, which every backend's layer goes through."""
     calls = sum(1 for e in events if e.get("cat") == "kernel" and kernel_substring in e.get("name", ""))
+    if not calls:
+        calls = sum(1 for e in events if e.get("cat") == "cpu_op" and e.get("name") == ATTENTION_OP)
     return calls / layers
 
 
@@ -185,6 +191,8 @@ def main(argv=None) -> int:
     try:
         events = load_trace(a.trace)
         steps = a.steps if a.steps else (count_forward_passes(events, a.layers) if a.layers else 1)
+        if not steps:
+            raise ValueError(f"no paged attention kernel to count passes by (--layers {a.layers}): give --steps")
         if a.place:
             print(render_place(place(events, a.place, steps), a.place))
             return 0

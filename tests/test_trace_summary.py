@@ -36,6 +36,11 @@ def synthetic_trace(tmp_path, layers=4, passes=2):
 def test_busy_idle_and_counts(tmp_path):
     events = ts.load_trace(synthetic_trace(tmp_path))
     assert ts.count_forward_passes(events, layers=4) == 2
+    # no paged kernel (FA3's): SGLang's attention op, once per layer, counts the passes instead
+    fa3 = [e for e in events if "Paged" not in e["name"]]
+    assert ts.count_forward_passes(fa3, layers=4) == 0
+    fa3 += [ev(ts.ATTENTION_OP, "cpu_op", 40 * i, 4) for i in range(8)]
+    assert ts.count_forward_passes(fa3, layers=4) == 2
     s = ts.summarize(events, steps=2)
     # kernels cover 15 of every 20 us; span = 7 * 20 + 15 = 155 us
     assert s["span_ms_per_step"] == pytest.approx(0.155 / 2)
