@@ -84,8 +84,10 @@ _store_kv_launch = Launcher(_store_kv_kernel)
 
 def store_kv(k_pool: torch.Tensor, v_pool: torch.Tensor, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              key_sum: torch.Tensor | None = None, count: torch.Tensor | None = None,
-             key_max: torch.Tensor | None = None, key_min: torch.Tensor | None = None) -> None:
-    """Same contract as `kv_cache_naive.store_kv` (head_dim and page size powers of two)."""
+             key_max: torch.Tensor | None = None, key_min: torch.Tensor | None = None, runs: int = 1) -> None:
+    """Same contract as `kv_cache_naive.store_kv` (head_dim and page size powers of two). `runs`: how many runs of
+    consecutive tokens the write is (an extend's requests; a decode step's tokens are a run each): it only picks the
+    tokens per program (`block_tokens`), never the result."""
     check_summaries(key_sum, count, key_max, key_min)
     N = loc.numel()
     if N == 0:
@@ -102,12 +104,15 @@ def store_kv(k_pool: torch.Tensor, v_pool: torch.Tensor, loc: torch.Tensor, k: t
     sums = (key_sum if summarize else k_pool, count if summarize else loc, key_max if bounds else k_pool,
             key_min if bounds else k_pool)
     strides = (N, H, k.stride(0), k.stride(1), v.stride(0), v.stride(1))
-    bn = block_tokens(N, P)
+    bn = block_tokens(N, P, runs)
     flags = dict(P=P, D=D, BN=bn, SUMMARIZE=summarize, BOUNDS=bounds)
     _store_kv_launch((triton.cdiv(N, bn), H), k_pool, v_pool, loc, k, v, *sums, *strides, **flags)
 
 
-def block_tokens(n: int, page_size: int) -> int:
-    """Tokens per program: 16 (at most a page) for a write of several pages, where a block holds one or two page
-    ends; 1 for a short write (a decode step's tokens each end a page: one program each reduces it)."""
-    return min(16, page_size) if n >= 4 * page_size else 1
+def block_tokens(n: int, page_size: int, runs: int = 1) -> int:
+    """Tokens per program: 16 (at most a page) for a write of several pages in runs (requests) of at least that many
+    tokens on average, where a block holds one or two page ends; else 1: a short write, or a decode step's, whose
+    tokens each end a page (a block of them would reduce its pages one after another, one program each does them
+    side by side)."""
+    bn = min(16, page_size)
+    return bn if n >= 4 * page_size and n >= bn * max(runs, 1) else 1

@@ -17,8 +17,9 @@ def check_summaries(key_sum, count, key_max, key_min) -> None:
 
 def store_kv(k_pool: torch.Tensor, v_pool: torch.Tensor, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              key_sum: torch.Tensor | None = None, count: torch.Tensor | None = None,
-             key_max: torch.Tensor | None = None, key_min: torch.Tensor | None = None) -> None:
-    """Write tokens into a head-major pool and refresh the summaries of the pages they touch.
+             key_max: torch.Tensor | None = None, key_min: torch.Tensor | None = None, runs: int = 1) -> None:
+    """Write tokens into a head-major pool and refresh the summaries of the pages they touch (`runs`: the Triton
+    kernel's launch hint, how many runs of consecutive tokens the write is; it changes nothing here).
 
     Args:
         k_pool, v_pool: [num_pages, H_kv, P, D]; slot s is [s // P, :, s % P, :]

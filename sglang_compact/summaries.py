@@ -104,10 +104,11 @@ class PageSummaries:
 
 
 def store_kv(k_pool: torch.Tensor, v_pool: torch.Tensor, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             summaries: LayerSummaries | None = None) -> None:
+             summaries: LayerSummaries | None = None, runs: int = 1) -> None:
     """Write tokens into a head-major pool `[num_pages, H_kv, P, D]` at slots `loc`, refreshing the
     summaries of the pages the write ends in (one launch on CUDA); key bounds too where `summaries`
-    has them."""
+    has them. `runs`: runs of consecutive tokens in the write (an extend's requests, a decode step's tokens), the
+    kernel's launch shape (`kernels.kv_cache.block_tokens`)."""
     sums = () if summaries is None else (summaries.key_sum, summaries.count, summaries.key_max, summaries.key_min)
     impl = kv_cache_kernel.store_kv if use_triton(k_pool) else kv_cache_naive.store_kv
-    impl(k_pool, v_pool, loc, k, v, *sums)
+    impl(k_pool, v_pool, loc, k, v, *sums, runs=runs)

@@ -335,15 +335,31 @@ def test_store_kv_of_a_batch_whose_blocks_end_several_pages_equals_reference(see
     before = torch.tensor([t for c in cached for t in c], dtype=torch.long)
     k0 = torch.randn(len(before), H, D, generator=g)
     state = []
-    for impl in (kv_cache, kv_cache_naive):
+    # the kernel in blocks (runs=1 claims one long run), one token per program (a run per token), and the twin
+    assert kv_cache.block_tokens(len(loc), P, runs=len(loc)) == 1
+    for impl, runs in ((kv_cache, 1), (kv_cache, len(loc)), (kv_cache_naive, 1)):
         kp, vp = torch.zeros(pages, H, P, D), torch.zeros(pages, H, P, D)
         ks, cnt = torch.zeros(pages, H, D), torch.zeros(pages, dtype=torch.int32)
         kmax, kmin = torch.zeros(pages, H, D), torch.zeros(pages, H, D)
         kv_cache_naive.store_kv(kp, vp, before, k0, k0, ks, cnt, kmax, kmin)   # the requests' cached tokens
-        impl.store_kv(kp, vp, loc, k, v, ks, cnt, kmax, kmin)
+        impl.store_kv(kp, vp, loc, k, v, ks, cnt, kmax, kmin, runs=runs)
         state.append((kp, vp, ks, cnt, kmax, kmin))
-    for x, y in zip(*state):
-        torch.testing.assert_close(x, y, rtol=1e-6, atol=1e-5)
+    for other in state[1:]:
+        for x, y in zip(state[0], other):
+            torch.testing.assert_close(x, y, rtol=1e-6, atol=1e-5)
+
+
+def test_block_tokens_blocks_long_runs_only():
+    """Blocks of 16 tokens (at most a page) where a write spans several pages in long runs; one token per program
+    for a short write and for a decode step (a run per token: every token ends a page)."""
+    assert kv_cache.block_tokens(1024, 64) == 16                       # one chunk of one request
+    assert kv_cache.block_tokens(8192, 32, runs=4) == 16               # four long requests
+    assert kv_cache.block_tokens(1024, 8) == 8                         # at most a page
+    assert kv_cache.block_tokens(255, 64) == 1                         # under four pages
+    assert kv_cache.block_tokens(256, 64, runs=256) == 1               # a decode step of 256 requests
+    assert kv_cache.block_tokens(512, 16, runs=512) == 1
+    assert kv_cache.block_tokens(256, 16, runs=64) == 1                # requests of 4 tokens on average
+    assert kv_cache.block_tokens(256, 16, runs=16) == 16               # of 16
 
 
 def store_with_bounds(impl, loc, k, v, split, shape, dtype, seed):

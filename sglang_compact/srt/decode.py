@@ -100,7 +100,8 @@ class DecodePlanner:
         k_buf, v_buf = compat.layer_kv_buffers(rt.pool, lid)
         if save_kv_cache:
             summaries = rt.summaries.layer(lid - rt.view.start_layer) if rt.summaries is not None else None
-            store_kv(k_buf, v_buf, compat.cache_locations(fb), k.view(-1, H_kv, D), v.view(-1, H_kv, D), summaries)
+            loc = compat.cache_locations(fb)   # a decode step's tokens each end a page: a run each
+            store_kv(k_buf, v_buf, loc, k.view(-1, H_kv, D), v.view(-1, H_kv, D), summaries, runs=loc.numel())
         q3 = q.reshape(-1, H_q, D).to(k_buf.dtype)
         if md.wrapper is not None:
             o = md.wrapper.run(q3, (k_buf, v_buf))

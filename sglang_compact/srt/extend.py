@@ -183,7 +183,8 @@ class ExtendPlanner:
         q3 = q.view(-1, H_q, D)
         summaries = rt.summaries.layer(li) if rt.summaries is not None else None
         if save_kv_cache:
-            store_kv(k_buf, v_buf, compat.cache_locations(fb), k.view(-1, H_kv, D), v.view(-1, H_kv, D), summaries)
+            store_kv(k_buf, v_buf, compat.cache_locations(fb), k.view(-1, H_kv, D), v.view(-1, H_kv, D), summaries,
+                     runs=len(md.template.chunk_lens_cpu))   # the requests' new tokens, one run each
         elif md.sparse:
             raise RuntimeError("sglang_compact: a sparse pass reads the chunk's keys from the pool, but this layer "
                                "was asked not to store them (save_kv_cache=False)")
