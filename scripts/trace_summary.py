@@ -192,7 +192,8 @@ def main(argv=None) -> int:
         events = load_trace(a.trace)
         steps = a.steps if a.steps else (count_forward_passes(events, a.layers) if a.layers else 1)
         if not steps:
-            raise ValueError(f"no paged attention kernel to count passes by (--layers {a.layers}): give --steps")
+            raise ValueError(f"no paged attention kernel and no attention op to count passes by "
+                             f"(--layers {a.layers}): give --steps")
         if a.place:
             print(render_place(place(events, a.place, steps), a.place))
             return 0
