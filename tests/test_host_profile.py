@@ -47,3 +47,13 @@ def test_max_error_reads_the_output_and_skips_variants_without_one():
     assert host_profile.max_error((out, torch.ones(1)), ref) == 0.5   # kernels that return (out, lse)
     assert host_profile.max_error(None, ref) is None                   # a store alone
     assert host_profile.max_error(torch.zeros(3, 8), ref) is None      # another shape: not an attention output
+
+
+def test_only_our_layers_fail_the_reference_check():
+    rows = [dict(name="compact dense layer", stock=False, max_abs_error=0.008),
+            dict(name="  FA3 varlen on the chunk's K/V alone", stock=False, max_abs_error=0.03),
+            dict(name="  FA3 over the paged cache alone (stock `fa3`)", stock=True, max_abs_error=0.04),
+            dict(name="  store_kv with sums + bounds", stock=False, max_abs_error=None)]
+    assert host_profile.off_reference(rows) == ["FA3 varlen on the chunk's K/V alone"]
+    rows[1]["max_abs_error"] = host_profile.DENSE_TOL
+    assert host_profile.off_reference(rows) == []

@@ -30,7 +30,8 @@ making stock's FA3 call (`dense_fa3`, the default where it runs: `sglang_compact
 attention kernels alone as well, so a gap between our dense pass and
 stock `fa3`'s can be put on the kernel or on the rest. Each also gets its GPU time per layer (the profiler's kernel
 time) beside the host time, each variant that returns the attention output its max abs error against the
-plain-torch fp32 reference the GPU tests use (`causal_context_attention`; the run fails above `DENSE_TOL`), and the
+plain-torch fp32 reference the GPU tests use (`causal_context_attention`; the run fails where one of ours is above
+`DENSE_TOL`; stock's are reported, not judged), and the
 pass's planning (`QBlocks.build`, `plan_forward`) its host time per pass.
 
     python3 scripts/gpu/host_profile.py --path dense --dense-tokens 8192 --out $OUT/hp   # Qwen's 8K pass
@@ -107,9 +108,9 @@ QWEN = dict(num_q_heads=14, num_kv_heads=2, head_dim=64, page_size=32)
 DENSE_TOL = 2e-2
 
 
-def dense_layers(tokens: int) -> tuple[list[tuple[str, object]], torch.Tensor]:
+def dense_layers(tokens: int) -> tuple[list[tuple[str, object]], torch.Tensor, set[str]]:
     """(name, one layer) of a dense pass with no cached prefix over one `tokens`-token chunk, ours and stock's,
-    and the chunk's attention output by the plain-torch reference (fp32)."""
+    the chunk's attention output by the plain-torch reference (fp32), and the names of stock's layers."""
     H_q, H_kv, D, P = QWEN["num_q_heads"], QWEN["num_kv_heads"], QWEN["head_dim"], QWEN["page_size"]
     b = random_batch([0], [tokens], dtype=torch.bfloat16, device="cuda", seed=0, **QWEN)
     b = dataclasses.replace(b, qblocks=b.qblocks.with_dense(range(b.qblocks.windows)), derived={})
@@ -164,11 +165,13 @@ def dense_layers(tokens: int) -> tuple[list[tuple[str, object]], torch.Tensor]:
                 return stock_ragged.run(q, k, v)
         return layer
 
-    layers += [("stock layer (store_cache into NHD, fa2 ragged planned once)", stock()),
-               ("  stock store_cache", stock(attend=False))]
-    layers += [("  FlashInfer fa3 ragged alone (ours)", lambda: executors["fa3-auto"].run_dense(
-                   q, b.k_pool, b.v_pool, chunk_kv=(k, v))),
-               ("  FlashInfer fa2 ragged alone (stock `flashinfer`)", lambda: stock_ragged.run(q, k, v))]
+    stock_layers = [("stock layer (store_cache into NHD, fa2 ragged planned once)", stock()),
+                    ("  stock store_cache", stock(attend=False))]
+    layers += stock_layers
+    layers.append(("  FlashInfer fa3 ragged alone (ours)", lambda: executors["fa3-auto"].run_dense(
+                   q, b.k_pool, b.v_pool, chunk_kv=(k, v))))
+    stock_layers.append(("  FlashInfer fa2 ragged alone (stock `flashinfer`)", lambda: stock_ragged.run(q, k, v)))
+    layers.append(stock_layers[-1])
     try:   # stock `fa3`: SGLang's default backend on Hopper, Tri Dao's FA3 from sgl_kernel (pieces c01-c04 here)
         from sgl_kernel.flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
         cu64 = torch.tensor([0, 64], dtype=torch.int32, device="cuda")
@@ -196,11 +199,13 @@ def dense_layers(tokens: int) -> tuple[list[tuple[str, object]], torch.Tensor]:
                                       dense_fa3=True)
         ex.plan_forward(ForwardShape.of(dataclasses.replace(b, q=q)), b.page_table)
         executors["sgl-fa3"] = ex
-        layers += [("compact dense layer on sgl_kernel FA3 (the default where it runs)", ours("sgl-fa3")),
-                   ("stock `fa3` layer (store_cache into NHD, FA3 over the paged cache)", stock_fa3),
-                   ("  FA3 over the paged cache alone (stock `fa3`)", fa3_paged),
-                   ("  FA3 varlen on the chunk's K/V alone", lambda: flash_attn_varlen_func(
-                       q, k, v, cu, cu, tokens, tokens, softmax_scale=D ** -0.5, causal=True))]
+        layers.append(("compact dense layer on sgl_kernel FA3 (the default where it runs)", ours("sgl-fa3")))
+        stock_fa3_layers = [("stock `fa3` layer (store_cache into NHD, FA3 over the paged cache)", stock_fa3),
+                            ("  FA3 over the paged cache alone (stock `fa3`)", fa3_paged)]
+        layers += stock_fa3_layers
+        stock_layers += stock_fa3_layers
+        layers.append(("  FA3 varlen on the chunk's K/V alone", lambda: flash_attn_varlen_func(
+            q, k, v, cu, cu, tokens, tokens, softmax_scale=D ** -0.5, causal=True)))
 
     def plan_pass():
         qb = QBlocks.build([0], [tokens], P, b.qblocks.window_pages, [(0, 0)])
@@ -208,7 +213,15 @@ def dense_layers(tokens: int) -> tuple[list[tuple[str, object]], torch.Tensor]:
         executors["fa3-auto"].plan_forward(ForwardShape.of(bb), b.page_table)
     layers.append(("compact pass planning (QBlocks.build + plan_forward), per pass", plan_pass))
     store_kv(b.k_pool, b.v_pool, loc, k, v, None)   # the reference reads the chunk's K/V from the pool
-    return layers, causal_context_attention(dataclasses.replace(b, q=q))
+    return layers, causal_context_attention(dataclasses.replace(b, q=q)), {name for name, _ in stock_layers}
+
+
+def off_reference(rows: list[dict]) -> list[str]:
+    """Our layers whose output is off the plain-torch reference by more than DENSE_TOL. Stock's rows are reported
+    but not judged: their rounding is SGLang's (stock `fa3`'s paged call has been 0.015-0.040 off at 8192 tokens on
+    an H100), and this check is about our kernels."""
+    return [r["name"].strip() for r in rows
+            if not r["stock"] and r["max_abs_error"] is not None and r["max_abs_error"] > DENSE_TOL]
 
 
 def max_error(out, ref: torch.Tensor) -> float | None:
@@ -311,7 +324,7 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     results = []
     dense = []
-    layers, ref = dense_layers(a.dense_tokens) if a.path in ("dense", "both") else ([], None)
+    layers, ref, stock_names = dense_layers(a.dense_tokens) if a.path in ("dense", "both") else ([], None, set())
     sparse = []
     fa3_missing = unavailable_reason(torch.device("cuda"), torch.bfloat16, 128)
     for selector, params, kernel in SELECTORS if a.path != "dense" else ():
@@ -324,13 +337,13 @@ def main() -> int:
                                                 a.rounds)]
     for (name, fn), h in zip(layers, host):
         err = max_error(fn(), ref)
-        r = dict(name=name, tokens=a.dense_tokens, **h, gpu_ms=gpu_ms(fn), kernels=kernels_per_layer(fn),
-                 max_abs_error=err, top=top_functions(fn, a.layers, 12))
+        r = dict(name=name, stock=name in stock_names, tokens=a.dense_tokens, **h, gpu_ms=gpu_ms(fn),
+                 kernels=kernels_per_layer(fn), max_abs_error=err, top=top_functions(fn, a.layers, 12))
         dense.append(r)
         print(f"{name}: host {r['host_ms']:.3f} ms [{r['host_ms_min']:.3f}, {r['host_ms_max']:.3f}], "
               f"GPU {r['gpu_ms']:.3f} ms, {r['kernels']:.1f} kernels"
               + ("" if err is None else f", max |out - reference| {err:.2e}"), flush=True)
-    bad = [r["name"].strip() for r in dense if r["max_abs_error"] is not None and r["max_abs_error"] > DENSE_TOL]
+    bad = off_reference(dense)
     if bad:
         print(f"FAILED: outputs off the plain-torch reference by more than {DENSE_TOL}: {bad}", flush=True)
     for (selector, params, kernel, mode, layer), h in zip(sparse, host[len(layers):]):
