@@ -10,7 +10,8 @@
 #   bash scripts/gpu/code_ab.sh run old new         # old, then new                          (~200 s)
 # Llama-3.1-8B shapes, AB_CONTEXT (130816), chunk 1024, batch 1, AB_METHOD (compact-quest_budget-0.3) for "new" and
 # "old"; one server at a time, warm-up, median of 2, each server its own bench_ttft run, in the order given. Each call
-# prints every run's table so far; results in $OUT/code_ab.tgz.
+# prints every run's table so far; results in $OUT/code_ab.tgz. AB_BENCH (a stand-in for bench_ttft.py) and AB_RES
+# (the results' folder, /tmp/res) are for the CPU test.
 set -uo pipefail
 MODE=${1:?pack REV or run ORDER...}
 shift
@@ -31,8 +32,9 @@ source scripts/gpu/setup.sh > /dev/null 2>&1 || exit 1
 source scripts/gpu/fa3_library.sh
 CTX=${AB_CONTEXT:-130816}
 METHOD=${AB_METHOD:-compact-quest_budget-0.3}
-R=/tmp/res/code_ab; mkdir -p $R
-NEW_TREE=/tmp/code_ab_new   # the tree's own packages while the old ones are in place
+RES=${AB_RES:-/tmp/res}
+R=$RES/code_ab; mkdir -p $R
+NEW_TREE=$RES/code_ab_new_tree   # the tree's own packages while the old ones are in place
 
 use_new() {
   if [[ -d $NEW_TREE/sglang_compact ]]; then
@@ -66,13 +68,6 @@ serve() {   # serve LABEL: one bench_ttft run of one server
 }
 
 for label in "$@"; do serve $label; done
-python3 - "$R" <<'EOF'
-import json, pathlib, sys
-print("| run | method | TTFT ms (median) | rounds |")
-print("| --- | --- | --- | --- |")
-for f in sorted(pathlib.Path(sys.argv[1]).glob("*/speed.json")):
-    for r in json.loads(f.read_text()):
-        print(f"| {f.parent.name} | {r['method']} | {r['ms']:.1f} | {', '.join(f'{x:.1f}' for x in r['ms_all'])} |")
-EOF
-pkill -9 -f "sglang[:][:]|[l]aunch_server --model" 2>/dev/null
-tar czf $OUT/code_ab.tgz -C /tmp/res code_ab
+python3 scripts/gpu/ab_table.py $R
+[[ -n ${AB_BENCH:-} ]] || pkill -9 -f "sglang[:][:]|[l]aunch_server --model" 2>/dev/null
+tar czf $OUT/code_ab.tgz -C $RES code_ab

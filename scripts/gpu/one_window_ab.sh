@@ -41,13 +41,6 @@ else
   serve ab_varlen_2 $METHOD varlen
   serve ab_one_2 $METHOD one
 fi
-python3 - "$R" <<'EOF'
-import json, pathlib, sys
-print("| run | method | TTFT ms (median) | rounds |")
-print("| --- | --- | --- | --- |")
-for f in sorted(pathlib.Path(sys.argv[1]).glob("*/speed.json")):
-    for r in json.loads(f.read_text()):
-        print(f"| {f.parent.name} | {r['method']} | {r['ms']:.1f} | {', '.join(f'{x:.1f}' for x in r['ms_all'])} |")
-EOF
+python3 scripts/gpu/ab_table.py $R
 pkill -9 -f "sglang[:][:]|[l]aunch_server --model" 2>/dev/null
 tar czf $OUT/ab.tgz -C /tmp/res ab
