@@ -13,11 +13,18 @@ docs/results/tune_flashprefill.md).
 `--quest-sweep` times instead the search the server runs by default at 128K (`quest_budget`: Quest's bound,
 group max, Llama-3.1-8B heads 32/8 x 128, page 64, query_stride 4, batch 1, chunk 1024) over BN, num_warps,
 num_stages and SPLIT, each checked against the default configuration's output.
+
+`--ab FILE` times that search's default launch in this tree's kernel module against another version of the
+module (FILE: e.g. `git show main:kernels/flashprefill.py > .ab/flashprefill_main.py` here, carried as `.ab`), in
+one process, rounds interleaved, with each version's output checked against the other's and against the torch
+twin: a kernel change's speed without a second machine start or a second sweep.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
+import statistics
 import sys
 from pathlib import Path
 
@@ -28,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository r
 from harness.bench_attention.timing import Timer  # noqa: E402
 from harness.synthetic import batch_summaries, random_batch  # noqa: E402
 from sglang_compact.kernels import flashprefill as k  # noqa: E402
+from sglang_compact.kernels import flashprefill_naive  # noqa: E402
 
 SHAPES = [  # (name, prefix lens, chunk lens, H_q, H_kv, D, page)
     ("128K C1024 B8 16/4 d128", [131072] * 8, [1024] * 8, 16, 4, 128, 64),
@@ -114,7 +122,59 @@ def quest_sweep() -> int:
     return 0
 
 
+def load_version(path: str):
+    """Another version of the kernel module, imported from `path` beside this tree's (its imports resolve here)."""
+    spec = importlib.util.spec_from_file_location("flashprefill_other", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def ab(path: str, rounds: int = 7) -> int:
+    """The server's default search (quest_budget's launch at 128K and 32K) in this tree's module against `path`'s:
+    per context, `rounds` rounds of (this, other) in turn, each the mean of 50 launches; the medians and their
+    ratio. Fails when the two outputs differ by more than 1e-4 (relative) or either is off the torch twin."""
+    other = load_version(path)
+    timer = Timer(torch.device("cuda"), reps=50, min_reps=50, warmup=10, budget_ms=1e9)
+    print(f"{torch.cuda.get_device_name()}: this tree's kernels/flashprefill.py against {path}\n\n"
+          "| prefix | this ms (median) | other ms (median) | this / other | rounds this | rounds other | "
+          "max rel diff |\n|---|---|---|---|---|---|---|")
+    bad = []
+    for prefix in (130048, 32768):
+        b = random_batch([prefix], [1024], num_q_heads=32, num_kv_heads=8, head_dim=128, page_size=64,
+                         dtype=torch.bfloat16, device="cuda", seed=0, structured=True)
+        s = batch_summaries(b)
+        args = (b.q, b.device_qblocks(), b.page_table, s.key_sum, s.count, b.sm_scale, 8, b.qblocks.max_pages)
+
+        def search(module):
+            return module.block_scores(*args, group_max=True, query_stride=4, page_size=64,
+                                       key_bounds=(s.key_max, s.key_min))
+        mine, theirs = search(k), search(other)
+        twin = flashprefill_naive.block_scores(*args, group_max=True, query_stride=4,
+                                               key_bounds=(s.key_max, s.key_min))
+        scale = twin.abs().max().clamp(min=1e-30)
+        err = ((mine - theirs).abs().max() / scale).item()
+        off_twin = max(((x - twin).abs().max() / scale).item() for x in (mine, theirs))
+        if err > 1e-4 or off_twin > 1e-2:
+            bad.append(f"{prefix}: this vs other {err:.1e}, vs the twin {off_twin:.1e}")
+        times = {"this": [], "other": []}
+        for _ in range(rounds):
+            for name, module in (("this", k), ("other", other)):
+                times[name].append(timer.device_ms(lambda: search(module)))
+        t_mine, t_other = statistics.median(times["this"]), statistics.median(times["other"])
+        print(f"| {prefix} | {t_mine:.4f} | {t_other:.4f} | {t_mine / t_other:.3f} | "
+              f"{', '.join(f'{x:.4f}' for x in times['this'])} | {', '.join(f'{x:.4f}' for x in times['other'])} | "
+              f"{err:.1e} |", flush=True)
+        del b, s
+        torch.cuda.empty_cache()
+    if bad:
+        print("FAILED: " + "; ".join(bad), flush=True)
+    return 1 if bad else 0
+
+
 def main() -> int:
+    if "--ab" in sys.argv:
+        return ab(sys.argv[sys.argv.index("--ab") + 1])
     if "--split-check" in sys.argv:
         return split_check()
     if "--quest-sweep" in sys.argv:
