@@ -84,20 +84,31 @@ def split_check() -> int:
     return 0
 
 
+def server_search_at(prefix: int):
+    """The batch of the server's default search after `prefix` tokens (`quest_budget`: Quest's bound, group max,
+    Llama-3.1-8B heads 32/8 x 128, page 64, query stride 4, one 1024-token chunk) and search(module, config=None):
+    that search by `module` (a version of the kernel module, or the torch twin)."""
+    b = random_batch([prefix], [1024], num_q_heads=32, num_kv_heads=8, head_dim=128, page_size=64,
+                     dtype=torch.bfloat16, device="cuda", seed=0, structured=True)
+    s = batch_summaries(b)
+    args = (b.q, b.device_qblocks(), b.page_table, s.key_sum, s.count, b.sm_scale, 8, b.qblocks.max_pages)
+
+    def search(module, config=None):
+        kw = {} if module is flashprefill_naive else dict(page_size=64, config=config)
+        return module.block_scores(*args, group_max=True, query_stride=4, key_bounds=(s.key_max, s.key_min), **kw)
+    return b, search
+
+
 def quest_sweep() -> int:
     """The default launch of the server's 128K search against every (BN, warps, stages, SPLIT) that compiles."""
     timer = Timer(torch.device("cuda"), reps=20, min_reps=20, warmup=3, budget_ms=1e9)
     print(f"{torch.cuda.get_device_name()}\n\n| prefix | BN | warps | stages | SPLIT | ms | of default | max rel diff |\n"
           "|---|---|---|---|---|---|---|---|")
     for prefix in (32768, 130048):
-        b = random_batch([prefix], [1024], num_q_heads=32, num_kv_heads=8, head_dim=128, page_size=64,
-                         dtype=torch.bfloat16, device="cuda", seed=0, structured=True)
-        s = batch_summaries(b)
-        args = (b.q, b.device_qblocks(), b.page_table, s.key_sum, s.count, b.sm_scale, 8, b.qblocks.max_pages)
+        b, server_search = server_search_at(prefix)
 
         def search(cfg):
-            return k.block_scores(*args, group_max=True, query_stride=4, config=cfg, page_size=64,
-                                  key_bounds=(s.key_max, s.key_min))
+            return server_search(k, cfg)
         ref = search(None)
         base = timer.device_ms(lambda: search(None))
         default = k.launch_config(4 * 16, b.qblocks.max_pages, True, 8 * b.qblocks.count, k._sm_count(b.q.device))
@@ -117,7 +128,7 @@ def quest_sweep() -> int:
         for ms, cfg, err in sorted(rows, key=lambda r: r[0])[:12]:
             print(f"| {prefix} | {cfg['BN']} | {cfg['num_warps']} | {cfg['num_stages']} | {cfg['SPLIT']} | {ms:.4f} | "
                   f"{ms / base:.2f} | {err:.1e}{' DIFFERS' if err > 1e-3 else ''} |", flush=True)
-        del b, s
+        del b, search
         torch.cuda.empty_cache()
     return 0
 
@@ -133,7 +144,8 @@ def load_version(path: str):
 def ab(path: str, rounds: int = 7) -> int:
     """The server's default search (quest_budget's launch at 128K and 32K) in this tree's module against `path`'s:
     per context, `rounds` rounds of (this, other) in turn, each the mean of 50 launches; the medians and their
-    ratio. Fails when the two outputs differ by more than 1e-4 (relative) or either is off the torch twin."""
+    ratio. Fails when the two outputs differ by more than 1e-4 of the largest score, or either is off the torch
+    twin by more than 3e-2 of it."""
     other = load_version(path)
     timer = Timer(torch.device("cuda"), reps=50, min_reps=50, warmup=10, budget_ms=1e9)
     print(f"{torch.cuda.get_device_name()}: this tree's kernels/flashprefill.py against {path}\n\n"
@@ -141,21 +153,12 @@ def ab(path: str, rounds: int = 7) -> int:
           "max rel diff |\n|---|---|---|---|---|---|---|")
     bad = []
     for prefix in (130048, 32768):
-        b = random_batch([prefix], [1024], num_q_heads=32, num_kv_heads=8, head_dim=128, page_size=64,
-                         dtype=torch.bfloat16, device="cuda", seed=0, structured=True)
-        s = batch_summaries(b)
-        args = (b.q, b.device_qblocks(), b.page_table, s.key_sum, s.count, b.sm_scale, 8, b.qblocks.max_pages)
-
-        def search(module):
-            return module.block_scores(*args, group_max=True, query_stride=4, page_size=64,
-                                       key_bounds=(s.key_max, s.key_min))
-        mine, theirs = search(k), search(other)
-        twin = flashprefill_naive.block_scores(*args, group_max=True, query_stride=4,
-                                               key_bounds=(s.key_max, s.key_min))
+        b, search = server_search_at(prefix)
+        mine, theirs, twin = search(k), search(other), search(flashprefill_naive)
         scale = twin.abs().max().clamp(min=1e-30)
         err = ((mine - theirs).abs().max() / scale).item()
         off_twin = max(((x - twin).abs().max() / scale).item() for x in (mine, theirs))
-        if err > 1e-4 or off_twin > 1e-2:
+        if err > 1e-4 or off_twin > 3e-2:   # the twin in bf16: the GPU tests' tolerance (rtol 2e-2, atol 2e-3)
             bad.append(f"{prefix}: this vs other {err:.1e}, vs the twin {off_twin:.1e}")
         times = {"this": [], "other": []}
         for _ in range(rounds):
@@ -165,7 +168,7 @@ def ab(path: str, rounds: int = 7) -> int:
         print(f"| {prefix} | {t_mine:.4f} | {t_other:.4f} | {t_mine / t_other:.3f} | "
               f"{', '.join(f'{x:.4f}' for x in times['this'])} | {', '.join(f'{x:.4f}' for x in times['other'])} | "
               f"{err:.1e} |", flush=True)
-        del b, s
+        del b, search
         torch.cuda.empty_cache()
     if bad:
         print("FAILED: " + "; ".join(bad), flush=True)
